@@ -1,0 +1,102 @@
+"""One exception type per kind of failure the operator must act on.
+
+The CLI turns each into a message and the exit code documented in the README:
+
+  0  ok
+  2  bad input or preflight refusal (nothing changed on any host)
+  3  deploy failed; the host is back on its previous release and healthy
+  4  deploy failed and the rollback failed too: a person must look
+  5  the host's deploy lock is held by someone else
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_BAD_INPUT = 2
+EXIT_ROLLED_BACK = 3
+EXIT_NEEDS_PERSON = 4
+EXIT_LOCKED = 5
+
+
+class DdtreeOpsError(Exception):
+    """Base class; `exit_code` is what the CLI exits with."""
+
+    exit_code = EXIT_ERROR
+
+
+class InputError(DdtreeOpsError):
+    """Bad input caught before anything changed (inventory, flags, patch set, bundle)."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class InventoryError(InputError):
+    """An inventory file is malformed; the message names file, host and field."""
+
+    def __init__(self, file: str, host: str | None, field: str | None, problem: str):
+        self.file, self.host, self.field, self.problem = file, host, field, problem
+        where = file
+        if host:
+            where += f": host {host!r}"
+        if field:
+            where += f": field {field!r}"
+        super().__init__(f"{where}: {problem}")
+
+
+class PatchSetError(InputError):
+    """A patch set (manifest or files) is malformed or inconsistent."""
+
+
+class BundleError(InputError):
+    """A release bundle is tampered, truncated or malformed."""
+
+
+class PreflightError(InputError):
+    """A host refused in preflight: nothing on it was changed."""
+
+    def __init__(self, host: str, message: str):
+        self.host = host
+        super().__init__(f"{host}: {message}")
+
+
+class HostKeyError(InputError):
+    """The host's SSH key is unknown or changed; we refuse to talk to it."""
+
+
+class UnreachableError(DdtreeOpsError):
+    """The host cannot be reached over SSH (refused, timeout, auth failure)."""
+
+
+class RemoteCommandError(DdtreeOpsError):
+    """A remote command failed unexpectedly."""
+
+
+class LockHeldError(DdtreeOpsError):
+    """Another operator (or a killed run) holds the host's deploy lock."""
+
+    exit_code = EXIT_LOCKED
+
+
+class DeployFailed(DdtreeOpsError):
+    """The deploy failed and the host was rolled back to its previous release, healthy."""
+
+    exit_code = EXIT_ROLLED_BACK
+
+
+class RollbackFailed(DdtreeOpsError):
+    """The deploy (or rollback) failed and the host could not be restored: a person must look."""
+
+    exit_code = EXIT_NEEDS_PERSON
+
+
+class Interrupted(DdtreeOpsError):
+    """The operator pressed Ctrl-C; the host was rolled back."""
+
+    exit_code = EXIT_ROLLED_BACK
+
+
+class SandboxError(DdtreeOpsError):
+    """The sandbox cannot be created or managed (missing prerequisite, port taken, ...)."""
+
+    exit_code = EXIT_BAD_INPUT

@@ -1,0 +1,196 @@
+"""SSH to a host over Fabric, with host keys verified and every command quoted.
+
+Fabric 3 uses Paramiko's AutoAddPolicy and loads no known_hosts, i.e. it trusts any key. Here
+the known_hosts file from the inventory is loaded read-only and unknown keys are rejected;
+`accept_new=True` (`--accept-new-host-keys`) records a key for a host that has none, and a
+*changed* key is always refused (Paramiko raises BadHostKeyException before any policy runs).
+
+Commands are argv lists joined with `shlex.quote`: no raw value is ever pasted into a shell.
+For a non-root `ssh_user`, privileged commands run through `sudo -n` and uploads go to a temp
+path that a privileged step then moves into place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import shlex
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import paramiko
+
+from .errors import HostKeyError, RemoteCommandError, UnreachableError
+from .inventory import Host
+
+
+def shell_join(argv: Sequence[str | int | os.PathLike]) -> str:
+    """One shell command line from an argv list; each element quoted."""
+    return " ".join(shlex.quote(str(a)) for a in argv)
+
+
+@dataclass(frozen=True)
+class Result:
+    command: str
+    exit_code: int
+    stdout: str
+    stderr: str
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+
+class _RecordNewKey(paramiko.MissingHostKeyPolicy):
+    """--accept-new-host-keys: trust on first use, and write the key to known_hosts."""
+
+    def __init__(self, known_hosts: str, lock: threading.Lock):
+        self.known_hosts, self.lock = known_hosts, lock
+
+    def missing_host_key(self, client, hostname, key):
+        line = f"{hostname} {key.get_name()} {key.get_base64()}\n"
+        with self.lock:
+            os.makedirs(os.path.dirname(self.known_hosts) or ".", exist_ok=True)
+            fd = os.open(self.known_hosts, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            with os.fdopen(fd, "a") as fh:
+                fh.write(line)
+
+
+_known_hosts_lock = threading.Lock()
+
+
+def _host_key_name(host: Host) -> str:
+    return host.address if host.ssh_port == 22 else f"[{host.address}]:{host.ssh_port}"
+
+
+class HostConnection:
+    """One SSH connection to one host; use as a context manager."""
+
+    def __init__(self, host: Host, *, accept_new_host_keys: bool = False):
+        from fabric import Config, Connection
+
+        self.host = host
+        self.accept_new = accept_new_host_keys
+        connect_kwargs = {"look_for_keys": False, "allow_agent": False,
+                          "banner_timeout": host.connect_timeout_s, "auth_timeout": host.connect_timeout_s}
+        if host.identity_file:
+            connect_kwargs["key_filename"] = [host.identity_file]
+        else:  # fall back to the operator's default keys and agent, as ssh(1) would
+            connect_kwargs.update(look_for_keys=True, allow_agent=True)
+        self._conn = Connection(
+            host=host.address, user=host.ssh_user, port=host.ssh_port,
+            connect_timeout=host.connect_timeout_s, connect_kwargs=connect_kwargs,
+            config=Config(overrides={"load_ssh_configs": False}),
+        )
+
+    # -- connection ----------------------------------------------------------------------------
+    def open(self) -> "HostConnection":
+        client = self._conn.client
+        kh = self.host.known_hosts
+        if os.path.exists(kh):
+            client.load_system_host_keys(kh)  # read-only: load_host_keys would write back
+        elif not self.accept_new:
+            raise HostKeyError(
+                f"{self.host.name}: known_hosts file {kh} does not exist; refusing to trust "
+                f"{self.host.address} without a recorded host key (use --accept-new-host-keys to record it)"
+            )
+        policy = _RecordNewKey(kh, _known_hosts_lock) if self.accept_new else paramiko.RejectPolicy()
+        client.set_missing_host_key_policy(policy)
+        try:
+            self._conn.open()
+        except paramiko.BadHostKeyException as e:
+            raise HostKeyError(
+                f"{self.host.name}: the host key of {self.host.address} has CHANGED (got {e.key.get_name()} "
+                f"{e.key.get_fingerprint().hex()}, known_hosts {kh} has another). Refusing to connect: this "
+                f"may be an attack. If the host was reinstalled, remove the old key with "
+                f"`ssh-keygen -R {_host_key_name(self.host)} -f {kh}` and verify the new one."
+            ) from None
+        except paramiko.SSHException as e:
+            if "not found in known_hosts" in str(e):
+                raise HostKeyError(
+                    f"{self.host.name}: {self.host.address} is not in {kh} (unknown host key). Refusing to "
+                    f"connect; verify its fingerprint and add it, or pass --accept-new-host-keys."
+                ) from None
+            if isinstance(e, paramiko.AuthenticationException):
+                raise UnreachableError(f"{self.host.name}: SSH authentication failed for {self.host.ssh_user}@"
+                                       f"{self.host.address}: {e}") from None
+            raise UnreachableError(f"{self.host.name}: SSH to {self.host.address}:{self.host.ssh_port} failed: {e}") from None
+        except (socket.timeout, TimeoutError):
+            raise UnreachableError(f"{self.host.name}: connection to {self.host.address}:{self.host.ssh_port} "
+                                   f"timed out after {self.host.connect_timeout_s:g} s") from None
+        except (OSError, paramiko.ssh_exception.NoValidConnectionsError) as e:
+            raise UnreachableError(f"{self.host.name}: cannot reach {self.host.address}:{self.host.ssh_port}: "
+                                   f"{getattr(e, 'strerror', None) or e}") from None
+        return self
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._conn.close()
+
+    def __enter__(self) -> "HostConnection":
+        return self.open()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- commands ------------------------------------------------------------------------------
+    def run(self, argv: Sequence[str | int | os.PathLike], *, check: bool = True, sudo: bool = True,
+            timeout: float | None = 120, stdin: str | None = None) -> Result:
+        """Run argv on the host; `sudo` applies only when the SSH user is not root."""
+        cmd = shell_join(argv)
+        if sudo and self.host.become:
+            cmd = "sudo -n -- " + cmd
+        return self.run_shell(cmd, check=check, timeout=timeout, stdin=stdin)
+
+    def run_shell(self, command: str, *, check: bool = True, timeout: float | None = 120,
+                  stdin: str | None = None) -> Result:
+        """Run an already-quoted command line (build it with shell_join)."""
+        from invoke.exceptions import CommandTimedOut
+
+        kwargs = {"hide": True, "warn": True, "timeout": timeout, "in_stream": io.StringIO(stdin or "")}
+        try:
+            r = self._conn.run(command, **kwargs)
+        except CommandTimedOut:
+            raise RemoteCommandError(f"{self.host.name}: command timed out after {timeout} s: {command}") from None
+        except (paramiko.SSHException, OSError, EOFError) as e:
+            raise UnreachableError(f"{self.host.name}: connection lost while running a command: {e}") from None
+        res = Result(command, r.exited, r.stdout, r.stderr)
+        if check and not res.ok:
+            raise RemoteCommandError(
+                f"{self.host.name}: `{command}` exited {res.exit_code}: {(res.stderr or res.stdout).strip()[-800:]}"
+            )
+        return res
+
+    def put(self, local: str | os.PathLike, remote: str) -> None:
+        """Upload a file (SFTP). Not atomic: callers upload to a staging path, then move."""
+        try:
+            self._conn.put(str(local), remote)
+        except (paramiko.SSHException, OSError, EOFError) as e:
+            raise UnreachableError(f"{self.host.name}: upload to {remote} failed: {e}") from None
+
+    def put_bytes(self, data: bytes, remote: str) -> None:
+        try:
+            self._conn.put(io.BytesIO(data), remote)
+        except (paramiko.SSHException, OSError, EOFError) as e:
+            raise UnreachableError(f"{self.host.name}: upload to {remote} failed: {e}") from None
+
+    def get_bytes(self, remote: str) -> bytes:
+        buf = io.BytesIO()
+        try:
+            self._conn.get(remote, buf)
+        except (paramiko.SSHException, OSError, EOFError) as e:
+            raise UnreachableError(f"{self.host.name}: download of {remote} failed: {e}") from None
+        return buf.getvalue()
+
+
+@contextlib.contextmanager
+def connect(host: Host, *, accept_new_host_keys: bool = False) -> Iterator[HostConnection]:
+    conn = HostConnection(host, accept_new_host_keys=accept_new_host_keys)
+    conn.open()
+    try:
+        yield conn
+    finally:
+        conn.close()

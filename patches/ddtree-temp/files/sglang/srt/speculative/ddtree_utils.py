@@ -1,0 +1,750 @@
+"""DDTree: draft-tree construction and tree verification (greedy and sampled).
+
+Pure PyTorch. This module imports only the standard library and torch at module
+level, so it loads on hosts that have neither SGLang's third-party dependencies
+nor a GPU. SGLang internals (the CUDA verify kernel) are imported lazily.
+
+Conventions (all tensors batched over requests, ``bs`` first):
+
+* A tree has ``N = budget + 1`` node slots. Node 0 is the root: the last
+  verified token, not yet in the KV cache. ``parents[b, 0] = -1``.
+* Draft nodes come out in non-increasing cumulative score (sum of draft
+  log-probabilities along the path), so ``parent < child``; siblings are ordered
+  by descending score (lower index first on equal score).
+* When fewer than ``budget`` prefixes exist (``topk_cap ** depth`` is small, or
+  the draft gives ``-inf`` log-probabilities), the unused slots are *padding*:
+  ``parents = -1``, ``tokens = 0``, ``depths = 0``, ``scores = -inf``. Padding
+  slots are never linked into the retrieve encoding, so the verifier never
+  reaches them; they attend only to the prefix and themselves.
+* The retrieve encoding is the one of SGLang's ``tree_speculative_sampling_
+  target_only`` / ``verify_tree_greedy`` kernels: ``retrive_index[b, i] = b*N+i``,
+  ``retrive_next_token`` = first child or -1, ``retrive_next_sibling`` = next
+  sibling or -1.
+
+Nothing on the hot path (build, compile, mask, positions, verify) calls
+``.item()``, ``.tolist()`` or branches on tensor values on the host; loops run
+over depths (at most the draft length) or sibling ranks (pointer doubling,
+``log2 N`` steps), never over nodes or requests.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+
+# SGLang clamps seeded coins to this: a coin of exactly 1.0 walks past the last
+# bucket of the kernel's cumulative sums.
+MAX_COIN = 1.0 - 2.0**-24
+
+
+class DDTree(NamedTuple):
+    """A batch of draft trees, all tensors ``[bs, budget + 1]``."""
+
+    tokens: torch.Tensor  # int64; tokens[:, 0] = root token (or 0 when unknown)
+    parents: torch.Tensor  # int64; -1 for the root and for padding
+    depths: torch.Tensor  # int64; root 0
+    scores: torch.Tensor  # float32; root 0.0, padding -inf
+
+    @property
+    def valid(self) -> torch.Tensor:
+        v = self.parents >= 0
+        v[:, 0] = True
+        return v
+
+
+class RetrieveEncoding(NamedTuple):
+    retrive_index: torch.Tensor  # int64 [bs, N]
+    retrive_next_token: torch.Tensor  # int64 [bs, N]
+    retrive_next_sibling: torch.Tensor  # int64 [bs, N]
+
+
+# ---------------------------------------------------------------------------
+# Draft log-probabilities
+# ---------------------------------------------------------------------------
+
+
+def draft_topk_logprobs(
+    draft_logits: torch.Tensor, k: int
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-position top-``k`` log-probabilities of raw draft logits.
+
+    ``draft_logits`` [bs, L, V] -> (logprobs [bs, L, k] float32 sorted
+    descending, token ids [bs, L, k] int64). As in the paper: ``top_logits -
+    logsumexp(logits)``, no temperature.
+    """
+    k = int(min(k, draft_logits.shape[-1]))
+    logits = draft_logits.float()
+    top_vals, top_ids = torch.topk(logits, k, dim=-1, largest=True, sorted=True)
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    return top_vals - lse, top_ids
+
+
+# ---------------------------------------------------------------------------
+# Tree construction
+# ---------------------------------------------------------------------------
+
+
+def build_ddtree_tree(
+    draft_logprobs,
+    budget: int,
+    topk_cap: Optional[int] = None,
+    root_tokens: Optional[torch.Tensor] = None,
+) -> DDTree:
+    """Best-first DDTree: per request the ``budget`` highest-scoring prefixes.
+
+    ``draft_logprobs`` is either a tensor ``[bs, L, V]`` of per-position draft
+    log-probabilities, or a pair ``(topk_logprobs [bs, L, K], topk_ids [bs, L,
+    K])`` sorted descending along the last dim (from :func:`draft_topk_logprobs`).
+    Only the top ``min(topk_cap, budget, K)`` tokens per depth are eligible;
+    ``topk_cap=None`` means ``budget`` (the paper's tree).
+
+    Algorithm (loop over depths only): the optimal set is prefix-closed and
+    holds at most ``budget`` nodes per depth, so at depth ``d`` only the
+    children of the depth ``d-1`` survivors can be selected; keep the best
+    ``budget`` of them, then take the global best ``budget`` over all depths
+    with a stable sort whose input is ordered by depth, so on equal scores a
+    parent always precedes its child (prefix closure holds even when a draft
+    log-probability is exactly 0).
+    """
+    if budget < 1:
+        raise ValueError(f"budget must be >= 1, got {budget}")
+    if isinstance(draft_logprobs, (tuple, list)):
+        top_lp, top_ids = draft_logprobs
+        top_lp = top_lp.float()
+        top_ids = top_ids.long()
+    else:
+        cap = budget if topk_cap is None else min(int(topk_cap), budget)
+        cap = min(cap, draft_logprobs.shape[-1])
+        top_lp, top_ids = torch.topk(
+            draft_logprobs.float(), cap, dim=-1, largest=True, sorted=True
+        )
+    bs, depth_max, kmax = top_lp.shape
+    k = kmax if topk_cap is None else min(int(topk_cap), kmax)
+    k = min(k, budget)
+    if k < 1:
+        raise ValueError(f"topk_cap must be >= 1, got {topk_cap}")
+    top_lp = top_lp[:, :, :k]
+    top_ids = top_ids[:, :, :k]
+    device = top_lp.device
+    neg_inf = torch.tensor(float("-inf"), device=device)
+
+    # Per-depth survivor lists, each [bs, W_d] with W_d = min(budget, k**d).
+    level_scores = []
+    level_tokens = []
+    level_parent_slot = []
+    prev_scores = torch.zeros(bs, 1, device=device)
+    for d in range(depth_max):
+        w_prev = prev_scores.shape[1]
+        # Children of every survivor, candidate (slot, rank) flattened
+        # slot-major: [bs, w_prev * k].
+        cand = (prev_scores.unsqueeze(-1) + top_lp[:, d, :].unsqueeze(1)).reshape(
+            bs, w_prev * k
+        )
+        w = min(budget, w_prev * k)
+        if w < w_prev * k:
+            sc, idx = torch.topk(cand, w, dim=1, largest=True, sorted=True)
+        else:
+            sc, idx = torch.sort(cand, dim=1, descending=True, stable=True)
+        slot = torch.div(idx, k, rounding_mode="floor")
+        rank = idx - slot * k
+        level_scores.append(sc)
+        level_tokens.append(torch.gather(top_ids[:, d, :], 1, rank))
+        level_parent_slot.append(slot)
+        prev_scores = sc
+
+    widths = [s.shape[1] for s in level_scores]
+    all_scores = torch.cat(level_scores, dim=1)  # depth-major order
+    total = all_scores.shape[1]
+    # -inf scores (impossible tokens) are not nodes.
+    all_scores = torch.where(torch.isfinite(all_scores), all_scores, neg_inf)
+    order = torch.sort(all_scores, dim=1, descending=True, stable=True).indices
+    take = min(budget, total)
+    sel = order[:, :take]  # flat candidate ids, best first
+    sel_scores = torch.gather(all_scores, 1, sel)
+    sel_valid = torch.isfinite(sel_scores)
+
+    depth_of = torch.cat(
+        [torch.full((w,), d + 1, dtype=torch.long, device=device) for d, w in enumerate(widths)]
+    )
+    level_off = [0]
+    for w in widths[:-1]:
+        level_off.append(level_off[-1] + w)
+    all_tokens = torch.cat(level_tokens, dim=1)
+    # flat id of each candidate's parent candidate (-1 for depth 1 = root)
+    parent_flat = torch.cat(
+        [
+            (level_parent_slot[d] + level_off[d - 1]) if d > 0 else torch.full_like(level_parent_slot[0], -1)
+            for d in range(depth_max)
+        ],
+        dim=1,
+    )
+
+    # node index (1..take) of each candidate, 0 = not selected
+    node_of = torch.zeros(bs, total + 1, dtype=torch.long, device=device)
+    node_ids = torch.arange(1, take + 1, device=device).expand(bs, take)
+    node_of.scatter_(1, torch.where(sel_valid, sel, total), torch.where(sel_valid, node_ids, 0))
+    node_of = node_of[:, :total]
+
+    sel_parent_flat = torch.gather(parent_flat, 1, sel)
+    sel_parent = torch.where(
+        sel_parent_flat < 0,
+        torch.zeros_like(sel_parent_flat),
+        torch.gather(node_of, 1, sel_parent_flat.clamp(min=0)),
+    )
+
+    n = budget + 1
+    tokens = torch.zeros(bs, n, dtype=torch.long, device=device)
+    parents = torch.full((bs, n), -1, dtype=torch.long, device=device)
+    depths = torch.zeros(bs, n, dtype=torch.long, device=device)
+    scores = torch.full((bs, n), float("-inf"), dtype=torch.float32, device=device)
+    scores[:, 0] = 0.0
+    tokens[:, 1 : take + 1] = torch.where(sel_valid, torch.gather(all_tokens, 1, sel), 0)
+    parents[:, 1 : take + 1] = torch.where(sel_valid, sel_parent, -1)
+    depths[:, 1 : take + 1] = torch.where(sel_valid, depth_of[sel], 0)
+    scores[:, 1 : take + 1] = sel_scores
+    if root_tokens is not None:
+        tokens[:, 0] = root_tokens.to(device=device, dtype=torch.long).reshape(bs)
+    return DDTree(tokens, parents, depths, scores)
+
+
+# ---------------------------------------------------------------------------
+# Retrieve encoding (first child / next sibling)
+# ---------------------------------------------------------------------------
+
+
+def compile_ddtree_retrieve(
+    parents: torch.Tensor, scores: torch.Tensor
+) -> RetrieveEncoding:
+    """Parent pointers -> the kernel's first-child/next-sibling encoding.
+
+    Siblings are ordered by descending cumulative score (ties: lower index
+    first). Nodes with ``parents < 0`` other than the root are padding and are
+    left unlinked (-1 everywhere).
+    """
+    bs, n = parents.shape
+    device = parents.device
+    parents = parents.long()
+    idx = torch.arange(n, device=device).expand(bs, n)
+    valid = parents >= 0
+    # Group key: parent (padding and root go to group n, dropped below).
+    group = torch.where(valid, parents, torch.full_like(parents, n))
+    # Order by (group asc, score desc, index asc): two stable sorts.
+    sc = torch.where(valid, scores.float(), torch.zeros_like(scores, dtype=torch.float32))
+    o1 = torch.sort(sc, dim=1, descending=True, stable=True).indices
+    g1 = torch.gather(group, 1, o1)
+    o2 = torch.sort(g1, dim=1, stable=True).indices
+    order = torch.gather(o1, 1, o2)  # node ids in (group, -score, index) order
+    g_sorted = torch.gather(group, 1, order)
+
+    same_next = torch.zeros_like(g_sorted, dtype=torch.bool)
+    same_next[:, :-1] = g_sorted[:, 1:] == g_sorted[:, :-1]
+    nxt = torch.full_like(order, -1)
+    nxt[:, :-1] = torch.where(same_next[:, :-1], order[:, 1:], -1)
+    nxt = torch.where(g_sorted < n, nxt, torch.full_like(nxt, -1))
+    next_sibling = torch.full((bs, n), -1, dtype=torch.long, device=device)
+    next_sibling.scatter_(1, order, nxt)
+
+    is_first = torch.ones_like(g_sorted, dtype=torch.bool)
+    is_first[:, 1:] = g_sorted[:, 1:] != g_sorted[:, :-1]
+    is_first &= g_sorted < n
+    first_child = torch.full((bs, n + 1), -1, dtype=torch.long, device=device)
+    first_child.scatter_(
+        1, torch.where(is_first, g_sorted, n), torch.where(is_first, order, -1)
+    )
+    first_child = first_child[:, :n]
+    retrive_index = idx + torch.arange(bs, device=device).unsqueeze(1) * n
+    return RetrieveEncoding(retrive_index.contiguous(), first_child, next_sibling)
+
+
+def decode_retrieve_parents(
+    retrive_next_token: torch.Tensor, retrive_next_sibling: torch.Tensor
+) -> torch.Tensor:
+    """Inverse of the encoding: parents [bs, N] (-1 for root and unlinked).
+
+    Pointer doubling over the sibling chain: ``ceil(log2 N)`` steps.
+    """
+    bs, n = retrive_next_token.shape
+    device = retrive_next_token.device
+    nt = retrive_next_token.long()
+    ns = retrive_next_sibling.long()
+    ar = torch.arange(n, device=device).expand(bs, n)
+    # direct parent of first children
+    par = torch.full((bs, n + 1), -1, dtype=torch.long, device=device)
+    par.scatter_(1, torch.where(nt >= 0, nt, n), torch.where(nt >= 0, ar, -1))
+    par = par[:, :n]
+    # prev sibling
+    prev = torch.full((bs, n + 1), -1, dtype=torch.long, device=device)
+    prev.scatter_(1, torch.where(ns >= 0, ns, n), torch.where(ns >= 0, ar, -1))
+    prev = prev[:, :n]
+    # head of chain: follow prev to the first child (pointer doubling)
+    head = torch.where(prev >= 0, prev, ar)
+    for _ in range(max(1, math.ceil(math.log2(max(n, 2)))) + 1):
+        head = torch.gather(head, 1, head)
+    return torch.gather(par, 1, head)
+
+
+def sibling_ranks(
+    retrive_next_token: torch.Tensor, retrive_next_sibling: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(parents, rank among siblings) from the encoding, by pointer doubling."""
+    bs, n = retrive_next_token.shape
+    device = retrive_next_token.device
+    ns = retrive_next_sibling.long()
+    ar = torch.arange(n, device=device).expand(bs, n)
+    prev = torch.full((bs, n + 1), -1, dtype=torch.long, device=device)
+    prev.scatter_(1, torch.where(ns >= 0, ns, n), torch.where(ns >= 0, ar, -1))
+    prev = prev[:, :n]
+    # distance to chain head via doubling: jump[i] = prev^(2^t)(i), dist accum
+    jump = torch.where(prev >= 0, prev, ar)
+    dist = (prev >= 0).long()
+    for _ in range(max(1, math.ceil(math.log2(max(n, 2)))) + 1):
+        dist = dist + torch.gather(dist, 1, jump)
+        jump = torch.gather(jump, 1, jump)
+    parents = decode_retrieve_parents(retrive_next_token, retrive_next_sibling)
+    return parents, dist
+
+
+def children_table(
+    retrive_next_token: torch.Tensor, retrive_next_sibling: torch.Tensor
+) -> torch.Tensor:
+    """[bs, N, N] local child ids by sibling rank (-1 = none): row p lists the
+    children of node p in sibling order."""
+    bs, n = retrive_next_token.shape
+    device = retrive_next_token.device
+    parents, rank = sibling_ranks(retrive_next_token, retrive_next_sibling)
+    linked = parents >= 0
+    table = torch.full((bs, n * n + 1), -1, dtype=torch.long, device=device)
+    flat = torch.where(linked, parents * n + rank.clamp(max=n - 1), n * n)
+    table.scatter_(1, flat, torch.where(linked, torch.arange(n, device=device).expand(bs, n), -1))
+    return table[:, : n * n].view(bs, n, n)
+
+
+# ---------------------------------------------------------------------------
+# Attention mask and positions
+# ---------------------------------------------------------------------------
+
+
+def ddtree_positions(depths: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """Position of each node: ``start + depth`` (root at ``start``, which is the
+    current sequence length before the root is written, i.e. seq_lens)."""
+    return start.long().view(-1, 1) + depths.long()
+
+
+def ddtree_tree_mask(parents: torch.Tensor, max_depth: Optional[int] = None) -> torch.Tensor:
+    """Ancestors-or-self mask [bs, N, N] bool: ``mask[b, i, j]`` = node j is
+    node i or one of its ancestors. Loop over depth (not nodes)."""
+    bs, n = parents.shape
+    device = parents.device
+    steps = n if max_depth is None else int(max_depth) + 1
+    mask = torch.zeros(bs, n, n, dtype=torch.bool, device=device)
+    cur = torch.arange(n, device=device).expand(bs, n).clone()
+    alive = torch.ones(bs, n, dtype=torch.bool, device=device)
+    rows = torch.arange(n, device=device).expand(bs, n)
+    bidx = torch.arange(bs, device=device).unsqueeze(1).expand(bs, n)
+    par = parents.long()
+    for _ in range(steps):
+        mask[bidx, rows, cur.clamp(min=0)] |= alive
+        nxt = torch.gather(par, 1, cur.clamp(min=0))
+        alive = alive & (nxt >= 0)
+        cur = torch.where(alive, nxt, cur)
+    return mask
+
+
+def ddtree_full_mask(
+    tree_mask: torch.Tensor, seq_lens: torch.Tensor, seq_lens_sum: int
+) -> torch.Tensor:
+    """SGLang FULL_MASK layout: for each request b, ``N`` rows of
+    ``seq_lens[b] + N`` entries (prefix all True, then the tree mask row),
+    flattened and concatenated over the batch. ``seq_lens_sum`` is the host
+    value SGLang already tracks (no device->host sync here)."""
+    bs, n, _ = tree_mask.shape
+    device = tree_mask.device
+    seq_lens = seq_lens.long().to(device)
+    total = n * int(seq_lens_sum) + bs * n * n
+    out = torch.ones(total, dtype=torch.bool, device=device)
+    row_len = seq_lens + n  # [bs]
+    req_start = torch.cumsum(n * row_len, 0) - n * row_len  # [bs]
+    i = torch.arange(n, device=device).view(1, n, 1)
+    j = torch.arange(n, device=device).view(1, 1, n)
+    flat = (
+        req_start.view(bs, 1, 1)
+        + i * row_len.view(bs, 1, 1)
+        + seq_lens.view(bs, 1, 1)
+        + j
+    )
+    out[flat.reshape(-1)] = tree_mask.reshape(-1)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Verification: greedy
+# ---------------------------------------------------------------------------
+
+
+def _walk_outputs(bs: int, n: int, s: int, device):
+    predicts = torch.zeros(bs * n, dtype=torch.int32, device=device)
+    accept_index = torch.full((bs, s), -1, dtype=torch.int32, device=device)
+    accept_token_num = torch.zeros(bs, dtype=torch.int32, device=device)
+    return predicts, accept_index, accept_token_num
+
+
+def verify_tree_greedy_reference(
+    predicts: torch.Tensor,
+    accept_index: torch.Tensor,
+    accept_token_num: torch.Tensor,
+    candidates: torch.Tensor,
+    retrive_index: torch.Tensor,
+    retrive_next_token: torch.Tensor,
+    retrive_next_sibling: torch.Tensor,
+    target_predict: torch.Tensor,
+) -> None:
+    """Greedy tree verify, in place, same outputs as the sampling kernel:
+    follow the child whose token equals the target argmax; ``predicts`` of
+    every accepted node (and of the last one: the bonus) is the target argmax
+    there. At most ``S - 1`` draft tokens, ``S = accept_index.shape[1]``."""
+    bs, n = candidates.shape
+    s = accept_index.shape[1]
+    device = candidates.device
+    table = children_table(retrive_next_token, retrive_next_sibling)  # [bs,N,N]
+    target_predict = target_predict.reshape(bs, n).long()
+    cand = candidates.long()
+    b = torch.arange(bs, device=device)
+    cur = torch.zeros(bs, dtype=torch.long, device=device)
+    alive = torch.ones(bs, dtype=torch.bool, device=device)
+    num = torch.zeros(bs, dtype=torch.long, device=device)
+    accept_index[:, 0] = retrive_index[:, 0].to(accept_index.dtype)
+    # predicts with one scratch slot at the end: requests that do not write in
+    # a step point there, so one index_put never sees conflicting writes.
+    pred = torch.cat([predicts, predicts.new_zeros(1)])
+    dump = bs * n
+    for step in range(1, s):
+        kids = table[b, cur]  # [bs, N] children by sibling rank
+        kid_tok = torch.gather(cand, 1, kids.clamp(min=0))
+        want = target_predict[b, cur]
+        hit = (kids >= 0) & (kid_tok == want.unsqueeze(1)) & alive.unsqueeze(1)
+        found = hit.any(dim=1)
+        first = torch.argmax(hit.int(), dim=1)
+        nxt = torch.gather(kids, 1, first.unsqueeze(1)).squeeze(1)
+        g_cur = retrive_index[b, cur]
+        pred[torch.where(found, g_cur, dump)] = want.to(pred.dtype)
+        col = accept_index[:, step]
+        accept_index[:, step] = torch.where(
+            found, retrive_index[b, nxt.clamp(min=0)].to(col.dtype), col
+        )
+        num = num + found.long()
+        cur = torch.where(found, nxt, cur)
+        alive = found
+    pred[retrive_index[b, cur]] = target_predict[b, cur].to(pred.dtype)
+    predicts.copy_(pred[:dump])
+    accept_token_num.copy_(num.to(accept_token_num.dtype))
+
+
+# ---------------------------------------------------------------------------
+# Verification: tree rejection sampling (reference of the CUDA kernel)
+# ---------------------------------------------------------------------------
+
+
+def tree_speculative_sampling_reference(
+    predicts: torch.Tensor,  # mutable [bs*N] int32
+    accept_index: torch.Tensor,  # mutable [bs, S] int32
+    accept_token_num: torch.Tensor,  # mutable [bs] int32
+    candidates: torch.Tensor,
+    retrive_index: torch.Tensor,
+    retrive_next_token: torch.Tensor,
+    retrive_next_sibling: torch.Tensor,
+    uniform_samples: torch.Tensor,
+    uniform_samples_for_final_sampling: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,  # mutable scratch [bs, N, V]
+    threshold_single: float = 1.0,
+    threshold_acc: float = 1.0,
+    deterministic: bool = True,
+) -> None:
+    """PyTorch version of ``tree_speculative_sampling_target_only``.
+
+    Same arguments, same in-place outputs, including the mutation of
+    ``draft_probs`` (rejected siblings get ``draft_probs[row, tok] =
+    target_probs[row, tok]``) and the final-sampling rule. Vectorised over the
+    batch and over the children of the current node; loops over path steps.
+    """
+    bs, n = candidates.shape
+    s = accept_index.shape[1]
+    v = target_probs.shape[-1]
+    device = candidates.device
+    tp = target_probs.view(bs, n, v)
+    dp = draft_probs.view(bs, n, v)
+    table = children_table(retrive_next_token, retrive_next_sibling)
+    cand = candidates.long()
+    coins_all = uniform_samples.view(bs, n).double()
+    b = torch.arange(bs, device=device)
+    cur = torch.zeros(bs, dtype=torch.long, device=device)
+    coin = coins_all[:, 0]
+    alive = torch.ones(bs, dtype=torch.bool, device=device)
+    num = torch.zeros(bs, dtype=torch.long, device=device)
+    accept_index[:, 0] = retrive_index[:, 0].to(accept_index.dtype)
+    rank_ar = torch.arange(n, device=device).unsqueeze(0)
+    pred = torch.cat([predicts, predicts.new_zeros(1)])
+    dump = bs * n
+    for step in range(1, s):
+        kids = table[b, cur]  # [bs, N] by rank, -1 padded
+        has = (kids >= 0) & alive.unsqueeze(1)
+        kid_tok = torch.gather(cand, 1, kids.clamp(min=0))
+        p = tp[b.unsqueeze(1), cur.unsqueeze(1), kid_tok].double()
+        p = torch.where(has, p, torch.zeros_like(p))
+        acc = torch.cumsum(p, dim=1)
+        ok = has & (p > 0) & (
+            (coin.unsqueeze(1) < acc / threshold_acc) | (p >= threshold_single)
+        )
+        found = ok.any(dim=1)
+        first = torch.where(found, torch.argmax(ok.int(), dim=1), torch.full_like(cur, n))
+        # rejected siblings: every valid child tried before the accepted one
+        rejected = has & (rank_ar < first.unsqueeze(1))
+        rows_b = b.unsqueeze(1).expand(bs, n)[rejected]
+        rows_n = cur.unsqueeze(1).expand(bs, n)[rejected]
+        rows_t = kid_tok[rejected]
+        dp[rows_b, rows_n, rows_t] = tp[rows_b, rows_n, rows_t]
+        nxt = torch.gather(kids, 1, first.clamp(max=n - 1).unsqueeze(1)).squeeze(1)
+        tok = torch.gather(kid_tok, 1, first.clamp(max=n - 1).unsqueeze(1)).squeeze(1)
+        g_cur = retrive_index[b, cur]
+        pred[torch.where(found, g_cur, dump)] = tok.to(pred.dtype)
+        col = accept_index[:, step]
+        accept_index[:, step] = torch.where(
+            found, retrive_index[b, nxt.clamp(min=0)].to(col.dtype), col
+        )
+        num = num + found.long()
+        cur = torch.where(found, nxt, cur)
+        coin = torch.where(found, coins_all[b, cur], coin)
+        alive = found
+    # final sampling at the last accepted node
+    q = tp[b, cur].double()
+    subtract = (num != (s - 1)).unsqueeze(1)
+    q = torch.where(subtract, torch.relu(q - dp[b, cur].double()), q)
+    total = q.sum(dim=1, keepdim=True)
+    u = uniform_samples_for_final_sampling.view(bs, 1).double() * total
+    cdf = torch.cumsum(q, dim=1)
+    pos_mass = q > 0
+    hit = (cdf > u) & pos_mass
+    ar_v = torch.arange(v, device=device).unsqueeze(0)
+    first_hit = torch.where(hit, ar_v, v).min(dim=1).values
+    last_pos = torch.where(pos_mass, ar_v, -1).max(dim=1).values
+    sampled = torch.where(
+        first_hit < v, first_hit, torch.where(last_pos >= 0, last_pos, v - 1)
+    )
+    pred[retrive_index[b, cur]] = sampled.to(pred.dtype)
+    predicts.copy_(pred[:dump])
+    accept_token_num.copy_(num.to(accept_token_num.dtype))
+
+
+# ---------------------------------------------------------------------------
+# Target probabilities (as SGLang's EAGLE verify path) and the sampling path
+# ---------------------------------------------------------------------------
+
+
+def top_k_renorm_probs(probs: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep each row's ``top_k`` largest probabilities (ties at the pivot kept),
+    renormalise. ``top_k >= V`` or ``<= 0`` keeps the row."""
+    v = probs.shape[-1]
+    k = top_k.long().view(-1, 1)
+    k = torch.where((k <= 0) | (k > v), torch.full_like(k, v), k)
+    sorted_p = torch.sort(probs, dim=-1, descending=True).values
+    pivot = torch.gather(sorted_p, -1, k - 1)
+    kept = torch.where(probs >= pivot, probs, torch.zeros_like(probs))
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def top_p_renorm_probs(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest prefix (in descending order) whose mass reaches
+    ``top_p``; renormalise."""
+    p = top_p.to(probs.dtype).view(-1, 1)
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+    before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+    keep_sorted = before < p
+    keep_sorted[..., 0] = True
+    keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+    kept = torch.where(keep, probs, torch.zeros_like(probs))
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def ddtree_target_probs(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_ks: Optional[torch.Tensor] = None,
+    top_ps: Optional[torch.Tensor] = None,
+    greedy: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Verify-side target distribution per tree node.
+
+    ``logits`` [bs, N, V]; per-request ``temperatures`` [bs], ``top_ks`` [bs],
+    ``top_ps`` [bs], ``greedy`` [bs] bool. Temperature softmax, then top-k
+    renorm, then top-p renorm (SGLang's order). Greedy requests get a one-hot
+    target on the argmax, so they stay exactly greedy in a sampled batch.
+    """
+    bs, n, v = logits.shape
+    lg = logits.float().reshape(bs * n, v)
+    t = temperatures.float().reshape(bs, 1).repeat_interleave(n, dim=0)
+    if greedy is not None:
+        t = torch.where(greedy.reshape(bs, 1).repeat_interleave(n, 0), torch.ones_like(t), t)
+    t = torch.clamp(t, min=1e-6)
+    probs = torch.softmax(lg / t, dim=-1)
+    if top_ks is not None:
+        probs = top_k_renorm_probs(probs, top_ks.reshape(bs).repeat_interleave(n))
+    if top_ps is not None:
+        probs = top_p_renorm_probs(probs, top_ps.reshape(bs).repeat_interleave(n))
+    if greedy is not None:
+        onehot = torch.zeros_like(probs).scatter_(
+            -1, torch.argmax(lg, dim=-1, keepdim=True), 1.0
+        )
+        g = greedy.reshape(bs, 1).repeat_interleave(n, 0)
+        probs = torch.where(g, onehot, probs)
+    return probs.view(bs, n, v)
+
+
+def _cuda_tree_sampling_kernel():
+    try:  # lazy: SGLang kernels need SGLang's full dependency set and CUDA
+        from sglang.kernels.ops.speculative.verify_sampling import (
+            tree_speculative_sampling_target_only,
+        )
+    except Exception:
+        return None
+    return tree_speculative_sampling_target_only
+
+
+def ddtree_verify_coins(
+    bs: int, n: int, device, generator: Optional[torch.Generator] = None
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Fresh coins in [0, 1): one per node and one for the final sampling."""
+    coins = torch.rand((bs, n), generator=generator, device=device, dtype=torch.float32)
+    final = torch.rand((bs,), generator=generator, device=device, dtype=torch.float32)
+    return coins.clamp_(max=MAX_COIN), final.clamp_(max=MAX_COIN)
+
+
+def assert_no_duplicate_siblings(candidates: torch.Tensor, parents: torch.Tensor) -> None:
+    """Debug check (syncs with the host): raise if two children of one node
+    carry the same token, which breaks losslessness."""
+    bs, n = candidates.shape
+    linked = parents >= 0
+    key = torch.where(linked, parents.long() * (int(candidates.max()) + 1) + candidates.long(), -1 - torch.arange(n, device=candidates.device))
+    srt = torch.sort(key, dim=1).values
+    dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
+    if bool(dup.any()):
+        raise ValueError("DDTree: duplicate sibling tokens in the draft tree (not lossless)")
+
+
+def ddtree_sample_tree_paths(
+    logits: torch.Tensor,
+    candidates: torch.Tensor,
+    retrieve: RetrieveEncoding,
+    temperatures: torch.Tensor,
+    top_ks: Optional[torch.Tensor] = None,
+    top_ps: Optional[torch.Tensor] = None,
+    greedy: Optional[torch.Tensor] = None,
+    max_accept: Optional[int] = None,
+    coins: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+    generator: Optional[torch.Generator] = None,
+    use_kernel: Optional[bool] = None,
+    parents: Optional[torch.Tensor] = None,
+    validate: bool = False,
+):
+    """Sampled tree verify (the original ``_sample_tree_paths``).
+
+    ``logits`` [bs, N, V] target logits at the tree nodes; ``candidates``
+    [bs, N] node tokens. Returns ``(predicts [bs*N] int32, accept_index [bs, S]
+    int32, accept_token_num [bs] int32)``: the committed tokens of request b are
+    ``predicts[accept_index[b, :accept_token_num[b] + 1]]``. ``S`` defaults to
+    ``N`` (``max_accept + 1`` otherwise). Uses SGLang's CUDA kernel on CUDA
+    tensors when it imports, the reference otherwise. Thresholds are 1.0
+    (exact); ``draft_probs`` is a fresh zero tensor every call.
+    """
+    bs, n, v = logits.shape
+    device = logits.device
+    s = n if max_accept is None else int(max_accept) + 1
+    if validate and parents is not None:
+        assert_no_duplicate_siblings(candidates, parents)
+    target_probs = ddtree_target_probs(logits, temperatures, top_ks, top_ps, greedy)
+    draft_probs = torch.zeros_like(target_probs)
+    if coins is None:
+        coins = ddtree_verify_coins(bs, n, device, generator)
+    u, u_final = coins
+    predicts, accept_index, accept_num = _walk_outputs(bs, n, s, device)
+    fn = None
+    if use_kernel is None:
+        use_kernel = device.type == "cuda"
+    if use_kernel:
+        fn = _cuda_tree_sampling_kernel()
+    if fn is None:
+        fn = tree_speculative_sampling_reference
+    fn(
+        predicts=predicts,
+        accept_index=accept_index,
+        accept_token_num=accept_num,
+        candidates=candidates.long().contiguous(),
+        retrive_index=retrieve.retrive_index.contiguous(),
+        retrive_next_token=retrieve.retrive_next_token.contiguous(),
+        retrive_next_sibling=retrieve.retrive_next_sibling.contiguous(),
+        uniform_samples=u.contiguous(),
+        uniform_samples_for_final_sampling=u_final.contiguous(),
+        target_probs=target_probs.contiguous(),
+        draft_probs=draft_probs,
+        threshold_single=1.0,
+        threshold_acc=1.0,
+        deterministic=True,
+    )
+    return predicts, accept_index, accept_num
+
+
+def ddtree_verify_greedy(
+    logits: torch.Tensor,
+    candidates: torch.Tensor,
+    retrieve: RetrieveEncoding,
+    max_accept: Optional[int] = None,
+):
+    """Greedy tree verify from target logits [bs, N, V]; same outputs as
+    :func:`ddtree_sample_tree_paths`."""
+    bs, n, _ = logits.shape
+    s = n if max_accept is None else int(max_accept) + 1
+    predicts, accept_index, accept_num = _walk_outputs(bs, n, s, logits.device)
+    verify_tree_greedy_reference(
+        predicts,
+        accept_index,
+        accept_num,
+        candidates,
+        retrieve.retrive_index,
+        retrieve.retrive_next_token,
+        retrieve.retrive_next_sibling,
+        torch.argmax(logits, dim=-1),
+    )
+    return predicts, accept_index, accept_num
+
+
+def gather_committed(
+    predicts: torch.Tensor, accept_index: torch.Tensor, accept_token_num: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Committed tokens [bs, S] (padded with -1) and their count
+    ``accept_token_num + 1`` (accepted drafts plus the bonus)."""
+    idx = accept_index.long()
+    toks = torch.where(idx >= 0, predicts.long()[idx.clamp(min=0)], -1)
+    return toks, accept_token_num.long() + 1
+
+
+def expected_accept_length(tree: DDTree, target_probs: torch.Tensor) -> torch.Tensor:
+    """Closed form of the mean accepted draft tokens (thresholds 1):
+    sum over non-root nodes of the product of target p along the path.
+    ``target_probs`` [bs, N, V]; returns [bs] float64."""
+    bs, n = tree.parents.shape
+    par = tree.parents.long()
+    # p of node i's token under its parent's distribution
+    row = par.clamp(min=0)
+    p_edge = target_probs.double()[
+        torch.arange(bs, device=par.device).unsqueeze(1), row, tree.tokens.long()
+    ]
+    valid = par >= 0
+    prob = torch.zeros(bs, n, dtype=torch.float64, device=par.device)
+    prob[:, 0] = 1.0
+    maxd = int(tree.depths.max()) if tree.depths.numel() else 0
+    for d in range(1, maxd + 1):
+        at = valid & (tree.depths == d)
+        pp = torch.gather(prob, 1, row) * p_edge
+        prob = torch.where(at, pp, prob)
+    return torch.where(valid, prob, torch.zeros_like(prob)).sum(dim=1)

@@ -1,0 +1,380 @@
+"""Tests of the stand-in SGLang server: real subprocesses on 127.0.0.1, free ports."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A fake payload implementing the agreed API (tree of the B best prefixes with a per-depth
+# cap, retrieve arrays, and the walk of tree_speculative_sampling_target_only).
+FAKE_DDTREE_UTILS = textwrap.dedent('''
+    import heapq
+    import torch
+
+    def build_ddtree_tree(draft_logprobs, budget, topk_cap):
+        bs, L, V = draft_logprobs.shape
+        K = min(topk_cap, V)
+        vals, idx = draft_logprobs[0].topk(K, dim=-1)
+        vals, idx = vals.tolist(), idx.tolist()
+        tokens, parents, depths, scores = [0], [-1], [0], [0.0]
+        heap = [(-vals[0][0], 1, 0, 0, 0.0)]  # (-score, depth, rank, parent, parent score)
+        while heap and len(tokens) < budget + 1:
+            neg, d, r, par, pscore = heapq.heappop(heap)
+            me = len(tokens)
+            tokens.append(idx[d - 1][r]); parents.append(par); depths.append(d); scores.append(-neg)
+            if r + 1 < K:
+                heapq.heappush(heap, (-(pscore + vals[d - 1][r + 1]), d, r + 1, par, pscore))
+            if d < L:
+                heapq.heappush(heap, (-(-neg + vals[d][0]), d + 1, 0, me, -neg))
+        t = lambda x, dt: torch.tensor([x], dtype=dt)
+        return (t(tokens, torch.int64), t(parents, torch.int64), t(depths, torch.int64),
+                t(scores, torch.float32))
+
+    def compile_ddtree_retrieve(parents, scores):
+        bs, N = parents.shape
+        nxt = [-1] * N; sib = [-1] * N; last_child = {}
+        for i, p in enumerate(parents[0].tolist()):
+            if p < 0:
+                continue
+            if p in last_child:
+                sib[last_child[p]] = i
+            else:
+                nxt[p] = i
+            last_child[p] = i
+        t = lambda x: torch.tensor([x], dtype=torch.int64)
+        return t(list(range(N))), t(nxt), t(sib)
+
+    def tree_speculative_sampling_reference(predicts, accept_index, accept_token_num, candidates,
+                                            retrive_index, retrive_next_token, retrive_next_sibling,
+                                            uniform_samples, uniform_samples_for_final_sampling,
+                                            target_probs, draft_probs, threshold_single=1.0,
+                                            threshold_acc=1.0):
+        B, N = candidates.shape
+        S = accept_index.shape[1]
+        for b in range(B):
+            row = 0; coin = float(uniform_samples[b, 0]); n = 0
+            accept_index[b, 0] = int(retrive_index[b, 0])
+            while n < S - 1:
+                child = int(retrive_next_token[b, row]); acc = 0.0; took = -1
+                while child != -1:
+                    tok = int(candidates[b, child]); p = float(target_probs[b, row, tok]); acc += p
+                    if p > 0 and (coin < acc / threshold_acc or p >= threshold_single):
+                        took = child; break
+                    draft_probs[b, row, tok] = target_probs[b, row, tok]
+                    child = int(retrive_next_sibling[b, child])
+                if took < 0:
+                    break
+                predicts[int(retrive_index[b, row])] = int(candidates[b, took])
+                n += 1; accept_index[b, n] = int(retrive_index[b, took])
+                row = took; coin = float(uniform_samples[b, took])
+            accept_token_num[b] = n
+            q = target_probs[b, row] if n == S - 1 else torch.relu(target_probs[b, row] - draft_probs[b, row])
+            cum = torch.cumsum(q, 0); tot = float(cum[-1]); u = float(uniform_samples_for_final_sampling[b])
+            pos = [i for i in range(q.numel()) if q[i] > 0]
+            pick = next((i for i in pos if float(cum[i]) > u * tot), pos[-1] if pos else q.numel() - 1)
+            predicts[int(retrive_index[b, row])] = pick
+''')
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_site_packages(root: Path, modules: dict[str, str] | None = None) -> Path:
+    sp = root / "site-packages"
+    spec = sp / "sglang" / "srt" / "speculative"
+    spec.mkdir(parents=True)
+    for d in (sp / "sglang", sp / "sglang" / "srt", spec):
+        (d / "__init__.py").write_text("")
+    for name, src in (modules or {}).items():
+        (spec / name).write_text(src)
+    return sp
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen, port: int, log: Path):
+        self.proc, self.port, self.log_path = proc, port, log
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def get(self, path: str, headers: dict | None = None, timeout: float = 5.0):
+        """(status, parsed body) or (None, None) when the connection is refused."""
+        return _request(urllib.request.Request(self.url(path), headers=headers or {}), timeout)
+
+    def post(self, path: str, body: dict, headers: dict | None = None, timeout: float = 30.0):
+        req = urllib.request.Request(self.url(path), data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+        return _request(req, timeout)
+
+    def wait_status(self, path: str, want: int, timeout: float = 15.0, headers=None) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"server exited {self.proc.returncode}:\n{self.log}"
+            if self.get(path, headers)[0] == want:
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"{path} never answered {want}:\n{self.log}")
+
+    def wait_exit(self, timeout: float = 15.0) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"server still running after {timeout}s:\n{self.log}") from None
+
+
+def _request(req, timeout):
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read()
+            return r.status, (json.loads(raw) if raw else None)
+    except urllib.error.HTTPError as e:
+        raw = e.read()
+        try:
+            return e.code, json.loads(raw) if raw else None
+        except ValueError:
+            return e.code, raw
+    except (ConnectionRefusedError, ConnectionResetError):
+        return None, None
+    except urllib.error.URLError as e:
+        if isinstance(e.reason, (ConnectionRefusedError, ConnectionResetError)):
+            return None, None
+        raise
+
+
+@pytest.fixture
+def spawn(tmp_path):
+    procs: list[subprocess.Popen] = []
+
+    def _spawn(*flags: str, site_packages: Path | None = None, port: int | None = None,
+               env: dict | None = None, load: float = 0.1, warmup: float = 0.05) -> Server:
+        port = port or free_port()
+        sp = site_packages or make_site_packages(tmp_path / f"sp{len(procs)}")
+        e = dict(os.environ)
+        e.pop("DDTREE_STANDIN_LOAD_SECONDS", None)
+        e["PYTHONPATH"] = os.pathsep.join([str(sp), str(REPO)])
+        e.update(env or {})
+        log = tmp_path / f"server{len(procs)}.log"
+        cmd = [sys.executable, "-m", "ddtree_ops.standin_server", "--host", "127.0.0.1",
+               "--port", str(port), "--model-path", "/models/toy",
+               "--standin-load-seconds", str(load), "--standin-warmup-seconds", str(warmup), *flags]
+        with open(log, "wb") as fh:
+            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, env=e)
+        procs.append(proc)
+        return Server(proc, port, log)
+
+    try:
+        yield _spawn
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def test_readiness_timeline_refused_then_503_then_200(spawn):
+    s = spawn(load=0.6, warmup=0.6)
+    seen: list[object] = []
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        assert s.proc.poll() is None, s.log
+        code = s.get("/health")[0]
+        if not seen or seen[-1] != code:
+            seen.append(code)
+        if code == 200:
+            break
+        time.sleep(0.02)
+    assert seen == [None, 503, 200], seen
+    # /server_info and /model_info answer; /ready agrees with health
+    assert s.get("/ready")[0] == 200
+    code, info = s.get("/model_info")
+    assert code == 200 and info["model_path"] == "/models/toy" and "weight_version" in info
+    log = s.log
+    order = ["Load weight begin. avail mem=", "Load weight end. elapsed=", "Capture cuda graph begin",
+             "Capture cuda graph end", "Uvicorn running on", "The server is fired up and ready to roll!"]
+    positions = [log.index(x) for x in order]
+    assert positions == sorted(positions), log
+    # SIGTERM: clean exit within a second
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.wait_exit(2) == 0
+    assert "Received sigterm" in s.log
+
+
+def test_crash_during_load_exits_nonzero_with_traceback(spawn):
+    s = spawn("--standin-crash-during-load", load=0.4)
+    assert s.wait_exit() != 0
+    log = s.log
+    assert "Load weight begin" in log and "Traceback (most recent call last)" in log
+    assert "Load weight end" not in log
+
+
+def test_ddtree_module_failing_import_ends_process(spawn, tmp_path):
+    sp = make_site_packages(tmp_path / "bad", {
+        "ddtree_bad.py": "raise ImportError('cannot import name ddtree_kernel from sgl_kernel')\n"})
+    s = spawn("--speculative-algorithm", "DDTREE", site_packages=sp)
+    assert s.wait_exit() == 1
+    log = s.log
+    assert "Traceback (most recent call last)" in log
+    assert "cannot import name ddtree_kernel" in log and "ddtree_bad" in log
+    assert "fired up" not in log
+
+
+def test_ddtree_algorithm_without_modules_exits_2(spawn):
+    s = spawn("--speculative-algorithm", "DDTREE")
+    assert s.wait_exit() == 2
+    assert "invalid choice: 'DDTREE'" in s.log
+
+
+def test_never_listen_and_warmup_never_completes(spawn):
+    a = spawn("--standin-never-listen", load=0.05)
+    b = spawn("--standin-warmup-never-completes", load=0.05)
+    b.wait_status("/server_info", 200)
+    time.sleep(0.5)
+    assert a.proc.poll() is None and a.get("/health")[0] is None
+    assert b.get("/health")[0] == 503 and b.get("/ready")[0] == 503
+    assert b.get("/health_generate")[0] == 503
+    for s in (a, b):  # SIGTERM ends even a server stuck loading or warming up
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.wait_exit(2) == 0
+
+
+def test_unknown_flags_are_recorded():
+    from ddtree_ops.standin_server import build_parser, record_unknown
+
+    args, unknown = build_parser().parse_known_args([
+        "--tp", "8", "--trust-remote-code", "--mem-fraction-static=0.88", "--context-length",
+        "4096", "--speculative-ddtree-budget", "16", "--offset", "-1", "--enable-metrics"])
+    assert args.tp_size == 8 and args.speculative_ddtree_budget == 16
+    assert record_unknown(unknown) == {"trust_remote_code": True, "mem_fraction_static": "0.88",
+                                       "context_length": "4096", "offset": "-1",
+                                       "enable_metrics": True}
+
+
+def test_health_flaps_after_ready(spawn):
+    s = spawn("--standin-health-flaps")
+    s.wait_status("/ready", 200)
+    codes = [s.get("/health")[0] for _ in range(6)]
+    assert codes in ([200, 503] * 3, [503, 200] * 3), codes
+
+
+def test_generate_fails_500_but_health_ok(spawn):
+    s = spawn("--standin-generate-fails")
+    s.wait_status("/health", 200)
+    code, _ = s.post("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 4}})
+    assert code == 500
+
+
+def test_server_info_reports_args_and_accept_length(spawn):
+    s = spawn("--tp", "8", "--speculative-algorithm", "DFLASH",
+              "--speculative-draft-model-path", "/models/draft",
+              "--speculative-ddtree-budget", "24", "--speculative-ddtree-topk-cap=6",
+              "--trust-remote-code", "--mem-fraction-static=0.88", "--cuda-graph-max-bs", "8",
+              env={"DDTREE_STANDIN_LOAD_SECONDS": "0.05"}, load=30)
+    s.wait_status("/health", 200, timeout=10)  # the env override beats --standin-load-seconds 30
+    code, info = s.get("/server_info")
+    assert code == 200
+    assert info["speculative_ddtree_budget"] == 24 and info["speculative_ddtree_topk_cap"] == 6
+    assert info["speculative_draft_model_path"] == "/models/draft"
+    assert info["speculative_algorithm"] == "DFLASH" and info["tp_size"] == 8
+    assert info["version"] == "0.5.23" and info["standin"] is True
+    assert info["trust_remote_code"] is True and info["mem_fraction_static"] == "0.88"
+    assert "avg_spec_accept_length" not in info["internal_states"][0]
+    code, out = s.post("/generate", {"text": "hello there", "sampling_params": {
+        "temperature": 0.8, "top_p": 0.9, "top_k": 20, "max_new_tokens": 12}})
+    assert code == 200 and out["text"].startswith("tok")
+    meta = out["meta_info"]
+    assert meta["completion_tokens"] == 12 and meta["spec_accept_length"] == 1.0
+    for k in ("id", "prompt_tokens", "spec_accept_rate", "spec_verify_ct", "finish_reason"):
+        assert k in meta
+    assert s.get("/get_server_info")[1]["internal_states"][0]["avg_spec_accept_length"] == 1.0
+
+
+def test_api_key_enforced_except_health(spawn):
+    s = spawn("--api-key", "s3cret-key")
+    s.wait_status("/health", 200)
+    assert s.get("/ready")[0] == 200
+    body = {"text": "x", "sampling_params": {"max_new_tokens": 2}}
+    assert s.post("/generate", body)[0] == 401
+    assert s.post("/generate", body, {"Authorization": "Bearer wrong"})[0] == 401
+    assert s.get("/server_info")[0] == 401 and s.get("/model_info")[0] == 401
+    ok = {"Authorization": "Bearer s3cret-key"}
+    assert s.post("/generate", body, ok)[0] == 200
+    code, info = s.get("/server_info", ok)
+    assert code == 200 and "s3cret-key" not in json.dumps(info)
+    assert "s3cret-key" not in s.log
+
+
+def test_port_already_taken_exits_quickly(spawn):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        s = spawn(port=port, load=0.05)
+        t0 = time.monotonic()
+        assert s.wait_exit(10) != 0
+        assert time.monotonic() - t0 < 5
+    assert "address already in use" in s.log.lower() and str(port) in s.log
+
+
+def test_die_after_ready(spawn):
+    s = spawn("--standin-die-after-ready", "0.3")
+    s.wait_status("/health", 200)
+    assert s.wait_exit(5) == 1
+    assert "fired up" in s.log
+
+
+def test_generate_exercises_ddtree_payload(spawn, tmp_path):
+    good = make_site_packages(tmp_path / "good", {"ddtree_utils.py": FAKE_DDTREE_UTILS,
+                                                  "ddtree_info.py": "X = 1\n"})
+    broken_src = FAKE_DDTREE_UTILS + "\ndef build_ddtree_tree(*a, **k):\n    raise ValueError('boom in build')\n"
+    broken = make_site_packages(tmp_path / "broken", {"ddtree_utils.py": broken_src})
+    flags = ("--speculative-algorithm", "DDTREE", "--speculative-ddtree-budget", "12",
+             "--speculative-ddtree-topk-cap", "3")
+    g = spawn(*flags, site_packages=good)
+    b = spawn(*flags, site_packages=broken)
+    plain = spawn()  # no payload: autoregressive toy generation
+    for s in (g, b, plain):
+        s.wait_status("/health", 200, timeout=30)
+    assert "DDTree modules imported: sglang.srt.speculative.ddtree_info" in g.log
+    prompt = "Explain speculative decoding"
+    greedy = {"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 40}}
+    code, out = g.post("/generate", greedy)
+    assert code == 200 and out["meta_info"]["spec_ddtree"] is True
+    assert out["meta_info"]["spec_accept_length"] > 1.5  # the draft follows the greedy chain
+    assert out["meta_info"]["completion_tokens"] == 40
+    # lossless at temperature 0: the same tokens as plain greedy decoding
+    assert out["text"] == plain.post("/generate", greedy)[1]["text"]
+    code, out2 = g.post("/generate", {"text": "other", "sampling_params": {
+        "temperature": 1.0, "top_p": 0.95, "max_new_tokens": 30}})
+    assert code == 200 and out2["meta_info"]["spec_ddtree"] is True
+    avg = g.get("/server_info")[1]["internal_states"][0]["avg_spec_accept_length"]
+    m1, m2 = out["meta_info"], out2["meta_info"]
+    expected = (m1["completion_tokens"] + m2["completion_tokens"]) / (m1["spec_verify_ct"] + m2["spec_verify_ct"])
+    assert avg == pytest.approx(expected, rel=1e-6) and avg > 1.0
+    # a payload function that raises: logged with its traceback, /generate still answers
+    code, out3 = b.post("/generate", greedy)
+    assert code == 200 and out3["meta_info"]["spec_accept_length"] == 1.0
+    assert out3["text"] == out["text"]
+    assert "DDTree payload error" in b.log and "boom in build" in b.log and "Traceback" in b.log

@@ -303,7 +303,8 @@ class Sandbox:
                   "# Edit freely (e.g. fault knobs in extra_args); `sandbox up` rewrites it.\n")
         self.inventory_path.write_text(header + yaml.safe_dump(doc, sort_keys=False))
 
-    def _prepare_host_files(self, h: SandboxHost, host: Host, site_tree: Path) -> str:
+    def _prepare_host_files(self, h: SandboxHost, host: Host, site_tree: Path,
+                            host_key: dict[str, bytes] | None = None) -> str:
         from .units import render_unit
 
         d = Path(h.dir)
@@ -331,7 +332,13 @@ class Sandbox:
                    d / "etc-systemd-system" / "multi-user.target.wants" / DFLASH_UNIT)
 
         # sshd: own host key, root by key only.
-        _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", h.name, "-f", str(d / "ssh" / "ssh_host_ed25519_key")])
+        if host_key:
+            for fname, data in host_key.items():
+                (d / "ssh" / fname).write_bytes(data)
+            os.chmod(d / "ssh" / "ssh_host_ed25519_key", 0o600)
+        else:
+            _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", h.name, "-f",
+                  str(d / "ssh" / "ssh_host_ed25519_key")])
         shutil.copy(self.client_key.with_suffix(".pub"), d / "ssh" / "authorized_keys")
         (d / "ssh" / "sshd_config").write_text(
             f"ListenAddress {h.address}\nPort 22\n"
@@ -397,6 +404,25 @@ class Sandbox:
             log = Path(pending[name].dir) / "var-log" / "journal" / f"{DFLASH_UNIT}.log"
             tail = log.read_text()[-1500:] if log.exists() else "(no log)"
             raise SandboxError(f"{name}: server not healthy within {timeout_s:.0f} s; last log lines:\n{tail}")
+
+    def reset_host(self, name: str) -> None:
+        """Put one host back in its "before deploy" state: every process in it ended, its files
+        rebuilt from the inventory, booted again. Its host key is kept (known_hosts stays valid)."""
+        inv = load_inventory(self.inventory_path)
+        state = self._load_state() or {}
+        hosts = self.hosts()
+        h = next((x for x in hosts if x.name == name), None)
+        if h is None:
+            raise SandboxError(f"no sandbox host {name!r} in {self.dir}")
+        _kill_namespace_processes(h)
+        key_dir = Path(h.dir) / "ssh"
+        saved = {f: (key_dir / f).read_bytes() for f in ("ssh_host_ed25519_key", "ssh_host_ed25519_key.pub")}
+        self._prepare_host_files(h, inv.hosts[name], sglang_site_tree(), host_key=saved)
+        (Path(h.dir) / "init.pid").unlink(missing_ok=True)
+        self._boot(h)
+        state["hosts"] = [asdict(x) for x in hosts]
+        self._save_state(state)
+        self._wait_ready([h], inv, 60)
 
     # -- status ------------------------------------------------------------------------------
     def status(self) -> list[dict]:

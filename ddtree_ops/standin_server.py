@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib
+import importlib.machinery
 import importlib.util
 import json
 import math
@@ -51,6 +52,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 import uuid
 from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -212,6 +214,42 @@ def list_ddtree_modules(site_packages: Path | None) -> list[Path]:
     if site_packages is None:
         return []
     return sorted((site_packages / "sglang" / "srt" / "speculative").glob("ddtree*.py"))
+
+
+def prepare_parent_packages(site_packages: Path) -> str | None:
+    """Make ``sglang.srt.speculative`` importable before the DDTree modules are imported.
+
+    The real package is imported first. On a test host the venv holds the real sglang
+    0.5.23 files without SGLang's dependencies (orjson, transformers, ...), so
+    ``sglang/__init__.py`` fails for reasons that have nothing to do with the payload;
+    then ``sglang``, ``sglang.srt`` and ``sglang.srt.speculative`` are replaced by bare
+    package stubs pointing at the same folders, and the DDTree modules (and whatever they
+    import themselves) are still imported from their files. Returns the reason when the
+    stubs were needed, None otherwise."""
+    try:
+        importlib.import_module("sglang.srt.speculative")
+        return None
+    except Exception as exc:  # noqa: BLE001
+        reason = f"{type(exc).__name__}: {exc}"
+    for name in list(sys.modules):
+        if name == "sglang" or name.startswith("sglang."):
+            del sys.modules[name]
+    parent = None
+    for name, rel in (("sglang", "sglang"), ("sglang.srt", "sglang/srt"),
+                      ("sglang.srt.speculative", "sglang/srt/speculative")):
+        path = str(site_packages / rel)
+        spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+        spec.submodule_search_locations = [path]
+        mod = types.ModuleType(name)
+        mod.__spec__ = spec
+        mod.__path__ = [path]
+        mod.__package__ = name
+        sys.modules[name] = mod
+        if parent is not None:
+            setattr(parent, name.rsplit(".", 1)[1], mod)
+        parent = mod
+    importlib.invalidate_caches()
+    return reason
 
 
 def sha256_short(path: Path) -> str:
@@ -776,6 +814,12 @@ def run(argv: list[str] | None = None) -> int:
 
         # Import the DDTree modules as SGLang does when it creates a DDTree worker.
         imported: dict[str, str] = {}
+        if modules and site_packages is not None:
+            why = prepare_parent_packages(site_packages)
+            if why:
+                log(f"Stand-in: the sglang package itself does not import in this venv ({why}); "
+                    "importing the DDTree modules under bare sglang/sglang.srt/"
+                    "sglang.srt.speculative package stubs", "TP0")
         for path in modules:
             name = f"sglang.srt.speculative.{path.stem}"
             try:

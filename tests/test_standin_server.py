@@ -378,3 +378,32 @@ def test_generate_exercises_ddtree_payload(spawn, tmp_path):
     assert code == 200 and out3["meta_info"]["spec_accept_length"] == 1.0
     assert out3["text"] == out["text"]
     assert "DDTree payload error" in b.log and "boom in build" in b.log and "Traceback" in b.log
+
+
+def _real_sglang_tree() -> Path | None:
+    cache = Path(os.environ.get("DDTREE_OPS_CACHE", REPO / ".cache"))
+    tree = cache / "sglang-0.5.23-site" / "sglang"
+    return tree if (tree / "srt" / "speculative").is_dir() else None
+
+
+@pytest.mark.sglang
+@pytest.mark.skipif(_real_sglang_tree() is None, reason="no cached sglang 0.5.23 files (.cache/sglang-0.5.23-site)")
+def test_ddtree_modules_beside_real_sglang_files_without_its_dependencies(spawn, tmp_path):
+    """As on the test hosts: the real 0.5.23 files, none of SGLang's dependencies
+    (sglang/__init__.py needs orjson, transformers, ...), plus the payload's modules."""
+    real = _real_sglang_tree()
+    sp = tmp_path / "site-packages"
+    # a tree of symlinks to the real files, with the payload added to srt/speculative
+    for src_dir, dst_dir, keep in ((real, sp / "sglang", "srt"), (real / "srt", sp / "sglang" / "srt", "speculative"),
+                                   (real / "srt" / "speculative", sp / "sglang" / "srt" / "speculative", None)):
+        dst_dir.mkdir(parents=True)
+        for entry in src_dir.iterdir():
+            if entry.name != keep:
+                (dst_dir / entry.name).symlink_to(entry)
+    (sp / "sglang" / "srt" / "speculative" / "ddtree_utils.py").write_text(FAKE_DDTREE_UTILS)
+    s = spawn("--speculative-algorithm", "DDTREE", "--speculative-ddtree-budget", "8",
+              "--speculative-ddtree-topk-cap", "2", site_packages=sp)
+    s.wait_status("/health", 200, timeout=30)
+    assert "DDTree modules imported: sglang.srt.speculative.ddtree_utils" in s.log
+    code, out = s.post("/generate", {"text": "x y", "sampling_params": {"temperature": 0, "max_new_tokens": 16}})
+    assert code == 200 and out["meta_info"]["spec_ddtree"] is True

@@ -490,7 +490,8 @@ def tree_speculative_sampling_reference(
     for step in range(1, s):
         kids = table[b, cur]  # [bs, N] by rank, -1 padded
         has = (kids >= 0) & alive.unsqueeze(1)
-        kid_tok = torch.gather(cand, 1, kids.clamp(min=0))
+        # candidates[b, 0] (the root) is never read
+        kid_tok = torch.where(kids >= 0, torch.gather(cand, 1, kids.clamp(min=0)), 0)
         p = tp[b.unsqueeze(1), cur.unsqueeze(1), kid_tok].double()
         p = torch.where(has, p, torch.zeros_like(p))
         acc = torch.cumsum(p, dim=1)

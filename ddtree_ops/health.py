@@ -1,0 +1,178 @@
+"""Waiting for a restarted SGLang server and deciding whether it is good.
+
+SGLang's start-up contract (0.5.23): while weights load there is no listener (connection
+refused); then HTTP is up but /health answers 503 during warm-up; then 200. `/model_info` and
+`/server_info` answer 200 early, so they are never taken for readiness. A crash while loading
+ends the process long before any deadline, so the unit's state and MainPID are watched on every
+poll and the wait stops at once when the process is gone or replaced (a `Restart=` respawn).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import httpx
+
+from .inventory import Host
+from .transport import HostConnection, shell_join
+
+# Start-up milestones worth showing on the progress line, in the order they appear.
+_MILESTONES = ("Load weight begin", "Load weight end", "Memory pool end", "Capture cuda graph begin",
+               "Capture cuda graph end", "Capture CUDA graph", "fired up and ready to roll",
+               "Initialization failed", "Traceback", "Error")
+
+
+class HealthFailure(Exception):
+    """The server did not become healthy; `log` holds the unit's last lines."""
+
+    def __init__(self, message: str, log: list[str] | None = None):
+        super().__init__(message)
+        self.log = log or []
+
+
+@dataclass
+class UnitProbe:
+    active: str
+    main_pid: int | None
+    log: list[str] = field(default_factory=list)
+
+
+def probe_unit(conn: HostConnection, unit: str, lines: int = 30) -> UnitProbe:
+    """is-active, MainPID and the log tail in one round trip."""
+    cmd = "; ".join([
+        shell_join(["systemctl", "is-active", unit]),
+        "echo @@@",
+        shell_join(["systemctl", "show", "-p", "MainPID", unit]),
+        "echo @@@",
+        shell_join(["journalctl", "-u", unit, "-n", str(lines), "--no-pager"]),
+    ])
+    if conn.host.become:
+        cmd = "sudo -n -- sh -c " + shell_join([cmd])
+    out = conn.run_shell(cmd, check=False, timeout=30).stdout
+    parts = out.split("@@@\n")
+    active = (parts[0].strip().splitlines() or ["unknown"])[0] if parts else "unknown"
+    pid = None
+    if len(parts) > 1:
+        for line in parts[1].splitlines():
+            if line.startswith("MainPID="):
+                try:
+                    pid = int(line.split("=", 1)[1]) or None
+                except ValueError:
+                    pid = None
+    log = [ln for ln in (parts[2].splitlines() if len(parts) > 2 else []) if ln.strip()]
+    return UnitProbe(active, pid, log)
+
+
+def latest_milestone(log: list[str]) -> str | None:
+    for line in reversed(log):
+        if any(m in line for m in _MILESTONES):
+            return line.strip()[-160:]
+    return None
+
+
+def _client(host: Host) -> httpx.Client:
+    headers = {}
+    if host.api_key_env and os.environ.get(host.api_key_env):
+        headers["Authorization"] = "Bearer " + os.environ[host.api_key_env]
+    return httpx.Client(base_url=host.base_url, timeout=host.health.request_timeout_s, headers=headers,
+                        trust_env=False)
+
+
+def health_status(client: httpx.Client, timeout: float | None = None) -> int | str:
+    """HTTP status of /health, or 'refused'/'timeout'/... while there is no usable listener."""
+    try:
+        return client.get("/health", timeout=timeout).status_code
+    except httpx.ConnectError:
+        return "refused"
+    except httpx.TimeoutException:
+        return "timeout"
+    except httpx.HTTPError as e:
+        return type(e).__name__
+
+
+def wait_until_serving(conn: HostConnection, host: Host, unit: str, *, expected_pid: int | None,
+                       deadline_s: float | None = None,
+                       progress: Callable[[float, str], None] | None = None) -> float:
+    """Poll until /health is 200; fail at once when the unit dies or respawns. Returns seconds."""
+    deadline_s = deadline_s or host.health.load_deadline_s
+    start = time.monotonic()
+    with _client(host) as client:
+        while True:
+            elapsed = time.monotonic() - start
+            p = probe_unit(conn, unit)
+            if p.active not in ("active", "activating", "reloading"):
+                raise HealthFailure(f"{unit} is {p.active} after {elapsed:.1f} s (the server exited while starting)", p.log)
+            if expected_pid and p.main_pid and p.main_pid != expected_pid:
+                raise HealthFailure(f"{unit} restarted while starting (MainPID {expected_pid} → {p.main_pid}): "
+                                    f"the server crashed and Restart= respawned it", p.log)
+            status = health_status(client, timeout=min(5.0, host.health.request_timeout_s))
+            if progress:
+                progress(elapsed, f"/health {status}; {latest_milestone(p.log) or 'starting'}")
+            if status == 200:
+                return elapsed
+            if elapsed > deadline_s:
+                raise HealthFailure(f"{unit} not ready after {deadline_s:.0f} s (deadline; last /health: {status})", p.log)
+            time.sleep(host.health.poll_interval_s)
+
+
+@dataclass
+class GateResult:
+    health_checks: int
+    text: str
+    accept_length: float | None
+
+
+def health_gate(host: Host, conn: HostConnection | None = None, unit: str | None = None,
+                expected_pid: int | None = None) -> GateResult:
+    """`/health` 200 N times in a row, then a sampled `/generate` must return text, then
+    (optionally) the average accept length must reach the inventory's minimum."""
+    hs = host.health
+    with _client(host) as client:
+        ok = 0
+        attempts = 0
+        max_attempts = hs.consecutive_successes * 3 + 5
+        while ok < hs.consecutive_successes:
+            attempts += 1
+            status = health_status(client)
+            if status == 200:
+                ok += 1
+            else:
+                raise HealthFailure(f"/health answered {status} after {ok} consecutive 200s (flapping or unhealthy)")
+            if attempts > max_attempts:
+                raise HealthFailure("/health gate did not settle")
+            if ok < hs.consecutive_successes:
+                time.sleep(hs.poll_interval_s)
+        try:
+            r = client.post("/generate", json={
+                "text": hs.generate_prompt,
+                "sampling_params": {"temperature": 0.7, "top_p": 0.9, "top_k": 50,
+                                    "max_new_tokens": hs.generate_max_new_tokens},
+            })
+        except httpx.HTTPError as e:
+            raise HealthFailure(f"POST /generate failed: {type(e).__name__}: {e}") from None
+        if r.status_code != 200:
+            raise HealthFailure(f"POST /generate answered {r.status_code}: {r.text[:200]}")
+        try:
+            body = r.json()
+        except ValueError:
+            raise HealthFailure("POST /generate returned no JSON") from None
+        text = body.get("text") if isinstance(body, dict) else None
+        if not isinstance(text, str) or not text.strip():
+            raise HealthFailure("POST /generate returned no text")
+        accept = None
+        if hs.min_accept_length is not None:
+            try:
+                info = client.get("/server_info").json()
+                accept = float(info["internal_states"][0]["avg_spec_accept_length"])
+            except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
+                raise HealthFailure(f"/server_info has no avg_spec_accept_length ({type(e).__name__})") from None
+            if accept < hs.min_accept_length:
+                raise HealthFailure(f"avg accept length {accept:.2f} < min_accept_length {hs.min_accept_length}")
+    if conn is not None and unit is not None:
+        p = probe_unit(conn, unit, lines=10)
+        if p.active != "active" or (expected_pid and p.main_pid != expected_pid):
+            raise HealthFailure(f"{unit} died after passing the health gate ({p.active}, MainPID {p.main_pid})", p.log)
+    return GateResult(ok, text, accept)

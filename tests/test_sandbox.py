@@ -1,0 +1,145 @@
+"""The sandbox hosts themselves, against real processes: sshd, systemctl, the stand-in server."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import httpx
+import pytest
+
+from conftest import run_cli
+from ddtree_ops.errors import HostKeyError
+from ddtree_ops.inventory import load_inventory
+from ddtree_ops.transport import connect
+
+DFLASH = "sglang-k26-dflash-cg.service"
+
+
+def _wait(pred, timeout=20.0, interval=0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(interval)
+    return pred()
+
+
+def test_status_json_reports_every_field_and_ssh_checked_against_known_hosts(sandbox):
+    r = run_cli("sandbox", "status", "--dir", str(sandbox.dir), "--json")
+    assert r.code == 0, r.stderr
+    rows = r.json()["hosts"]
+    assert [h["name"] for h in rows] == [h.name for h in sandbox.hosts()]
+    for row in rows:
+        for key in ("name", "address", "ssh_port", "user", "identity_file", "known_hosts", "site_packages",
+                    "unit", "base_url", "sshd_up", "unit_up", "health_up"):
+            assert key in row
+        assert row["sshd_up"] and row["ssh_ok"] and row["health_up"]
+        assert row["address"].startswith("10.200.")
+        assert row["known_hosts"] == str(sandbox.known_hosts)
+
+
+def test_each_host_has_the_real_sglang_files_in_its_own_site_packages(fresh_host):
+    h = fresh_host.host
+    version = fresh_host.ssh([h.python, "-c", "import importlib.metadata as m; print(m.version('sglang'))"]).stdout
+    assert version.strip() == "0.5.23"
+    snap = fresh_host.snapshot([f"{h.site_packages}/sglang/srt/speculative/dflash_info.py"])
+    assert list(snap.values()) == ["71d17803fb088089e1124a58efa5bc46734fd4404c7387a690faadacda50b2d3"]
+
+
+def test_hosts_do_not_share_files(sandbox, fresh_hosts):
+    a, b = fresh_hosts[:2]
+    marker = "/var/lib/ddtree-ops-isolation-probe"
+    a.ssh(["sh", "-c", f"echo a > {marker}"])
+    assert a.read(marker) == b"a\n"
+    assert b.read(marker) is None
+
+
+def test_unknown_host_key_is_refused(fresh_host, tmp_path):
+    empty = tmp_path / "known_hosts"
+    empty.write_text("")
+    th = fresh_host.with_vars(tmp_path, known_hosts=str(empty))
+    with pytest.raises(HostKeyError, match="not in .*unknown host key"):
+        with connect(th.host):
+            pass
+
+
+def test_changed_host_key_is_refused_even_with_accept_new(fresh_host, tmp_path):
+    other = tmp_path / "known_hosts"
+    # A different, valid ed25519 key recorded for this address: the host "changed" its key.
+    import subprocess
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "k")], check=True)
+    pub = (tmp_path / "k.pub").read_text().split()
+    other.write_text(f"{fresh_host.host.address} {pub[0]} {pub[1]}\n")
+    th = fresh_host.with_vars(tmp_path, known_hosts=str(other))
+    with pytest.raises(HostKeyError, match="CHANGED"):
+        with connect(th.host, accept_new_host_keys=True):
+            pass
+    assert other.read_text().count("\n") == 1  # nothing was recorded
+
+
+def test_accept_new_host_keys_records_an_unknown_key_then_verifies_it(fresh_host, tmp_path):
+    kh = tmp_path / "kh"
+    th = fresh_host.with_vars(tmp_path, known_hosts=str(kh))
+    with connect(th.host, accept_new_host_keys=True) as conn:
+        assert conn.run(["true"]).ok
+    recorded = kh.read_text()
+    assert recorded.startswith(fresh_host.host.address + " ssh-ed25519 ")
+    assert recorded.split()[2] in open(fresh_host.sandbox.known_hosts).read()
+    with connect(th.host) as conn:  # now known: plain verification works
+        assert conn.run(["true"]).ok
+
+
+def test_restart_really_replaces_the_process(fresh_host):
+    before = fresh_host.main_pid(DFLASH)
+    assert before
+    fresh_host.ssh(["systemctl", "restart", DFLASH])
+    after = _wait(lambda: fresh_host.main_pid(DFLASH) not in (None, before) and fresh_host.main_pid(DFLASH))
+    assert after and after != before
+    assert not os.path.exists(f"/proc/{before}") or open(f"/proc/{before}/stat").read().split(")")[1].split()[0] == "Z"
+
+
+def test_restart_policy_respawns_the_server_after_kill_9(fresh_host):
+    before = fresh_host.main_pid(DFLASH)
+    fresh_host.ssh(["kill", "-9", str(before)])
+    after = _wait(lambda: (fresh_host.main_pid(DFLASH) or before) != before and fresh_host.main_pid(DFLASH), timeout=30)
+    assert after and after != before
+    assert fresh_host.unit_state(DFLASH) == "active"
+
+
+def test_readiness_timeline_is_refused_then_503_then_200(fresh_host, tmp_path):
+    # A slow "weight load" so the three phases can be observed by polling.
+    th = fresh_host.with_vars(tmp_path, extra_args=["--standin-load-seconds=2", "--standin-warmup-seconds=1.5"])
+    h = th.host
+    from ddtree_ops.units import render_unit
+    from dataclasses import replace
+    unit = render_unit(replace(h, template="sglang-dflash.service.j2"))
+    th.ssh(["sh", "-c", f"cat > /etc/systemd/system/{DFLASH}"], stdin=unit)
+    th.ssh(["systemctl", "restart", DFLASH])
+    seen = []
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            code = httpx.get(h.base_url + "/health", timeout=1).status_code
+        except httpx.ConnectError:
+            code = "refused"
+        except httpx.TimeoutException:
+            code = "timeout"
+        if not seen or seen[-1] != code:
+            seen.append(code)
+        if code == 200:
+            break
+        time.sleep(0.05)
+    assert seen[-3:] == ["refused", 503, 200], seen
+    log = th.ssh(["journalctl", "-u", DFLASH, "-n", "200", "--no-pager"]).stdout
+    begin, end, ready = (log.rfind(s) for s in ("Load weight begin", "Load weight end", "fired up and ready to roll"))
+    assert -1 < begin < end < ready
+
+
+def test_server_port_is_per_host(sandbox):
+    inv = load_inventory(sandbox.inventory_path)
+    for h in inv.hosts.values():
+        with socket.create_connection((h.address, h.port), timeout=2):
+            pass

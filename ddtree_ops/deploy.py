@@ -143,9 +143,10 @@ def read_host(conn: HostConnection, host: Host, ps: PatchSet) -> dict[str, Any]:
     return facts
 
 
-def plan_host(conn: HostConnection, host: Host, ps: PatchSet, *, force: bool = False) -> HostPlan:
+def plan_host(conn: HostConnection, host: Host, ps: PatchSet, *, force: bool = False,
+              templates_dir: str | None = None) -> HostPlan:
     facts = read_host(conn, host, ps)
-    return compute_plan(host, ps, facts, render_unit(host), force=force)
+    return compute_plan(host, ps, facts, render_unit(host, templates_dir), force=force)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,6 +188,7 @@ class DeployOptions:
     command: str = "ddtree-ops deploy"
     deadline_s: float | None = None
     bundle_id: str | None = None
+    templates_dir: str | None = None  # a verified bundle's templates/ (default: the repo's)
 
 
 class HostDeploy:
@@ -210,7 +212,7 @@ class HostDeploy:
         try:
             repaired = self.repair_interrupted()
             self._step("preflight")
-            plan = plan_host(self.conn, h, ps, force=opts.force)
+            plan = plan_host(self.conn, h, ps, force=opts.force, templates_dir=opts.templates_dir)
             refusals = list(plan.refusals)
             refusals += self._compile_check(ps)
             refusals += self._verify_unit(plan.unit_new)
@@ -263,6 +265,15 @@ class HostDeploy:
             self._release_lock(lock)
 
     def _run_steps(self, ps: PatchSet, plan: HostPlan, rid: str, journal: dict, opts: DeployOptions) -> None:
+        unit_bytes = self._install_phase(ps, plan, rid, journal, opts)
+        pid = self._restart_phase(journal)
+        self._journal_step(journal, "wait for weights")
+        self._wait_and_gate(self.host.unit, pid, opts.deadline_s)
+        self._commit_phase(plan, rid, journal, unit_bytes, pid)
+
+    # The phases are separate so that a multi-node server (multinode.py) can install on every
+    # node first, restart rank 0 last and gate on node 0 only.
+    def _install_phase(self, ps: PatchSet, plan: HostPlan, rid: str, journal: dict, opts: DeployOptions) -> bytes:
         h = self.host
         paths = [{"path": f.path, "kind": "file"} for f in plan.files] + [{"path": h.unit_path, "kind": "unit"}]
 
@@ -292,14 +303,16 @@ class HostDeploy:
                 self._guarded(f"disable {u}", lambda u=u: self.svc.disable(u))
         if journal["enabled_before"].get(h.unit) != "enabled":
             self._guarded(f"enable {h.unit}", lambda: self.svc.enable(h.unit))
+        return unit_bytes
 
+    def _restart_phase(self, journal: dict) -> int | None:
+        h = self.host
         self._journal_step(journal, "restart")
         self._guarded("restart", lambda: self.svc.restart(h.unit))
-        pid = self.svc.main_pid(h.unit)
+        return self.svc.main_pid(h.unit)
 
-        self._journal_step(journal, "wait for weights")
-        self._wait_and_gate(h.unit, pid, opts.deadline_s)
-
+    def _commit_phase(self, plan: HostPlan, rid: str, journal: dict, unit_bytes: bytes, pid: int | None) -> None:
+        h = self.host
         self._journal_step(journal, "commit")
         installed = {f.path: f.new_sha256 for f in plan.files}
         installed[h.unit_path] = hashlib.sha256(unit_bytes).hexdigest()

@@ -101,6 +101,16 @@ class Host:
     health: HealthSettings
     groups: tuple[str, ...] = ()
     source: str = ""
+    # A multi-node server (one SGLang server over several hosts): the group that declares it
+    # (`multinode: true`), this node's rank, the node count and the torch.distributed address.
+    server: str | None = None
+    node_rank: int = 0
+    nnodes: int = 1
+    dist_init_addr: str | None = None
+
+    @property
+    def multinode(self) -> bool:
+        return self.server is not None
 
     @property
     def become(self) -> bool:
@@ -145,6 +155,14 @@ class Inventory:
         # Keep inventory order so rollouts are predictable.
         return [h for n, h in self.hosts.items() if n in chosen]
 
+    def servers(self) -> dict[str, tuple[str, ...]]:
+        """Multi-node servers: group name → member host names, rank 0 first."""
+        out: dict[str, list[Host]] = {}
+        for h in self.hosts.values():
+            if h.server:
+                out.setdefault(h.server, []).append(h)
+        return {g: tuple(h.name for h in sorted(m, key=lambda h: h.node_rank)) for g, m in out.items()}
+
     def host(self, name: str) -> Host:
         if name not in self.hosts:
             raise InputError(f"{self.path}: no host named {name!r} (known: {', '.join(self.hosts)})")
@@ -180,7 +198,13 @@ DEFAULTS: dict[str, Any] = {
     "min_free_mb": 64,
     "api_key_env": None,
     "health": {},
+    # multi-node servers (see _resolve_servers)
+    "multinode": False,
+    "node_rank": None,
+    "nnodes": None,
+    "dist_init_addr": None,
 }
+DIST_INIT_PORT = 20000  # default port of --dist-init-addr on the rank-0 node
 
 _HEALTH_KEYS = {f.name for f in fields(HealthSettings)}
 _KNOWN_KEYS = set(DEFAULTS) | {"address"}
@@ -284,7 +308,86 @@ def parse_inventory(doc: Any, fname: str = "<inventory>") -> Inventory:
         merged["health"] = merged_health
         member_of = tuple(g for g, m in groups.items() if hname in m and g != "all")
         hosts[hname] = _build_host(fname, hname, merged, member_of)
+    hosts = _resolve_servers(fname, hosts, host_chain, host_vars, groups)
     return Inventory(path=fname, hosts=hosts, groups={g: tuple(m) for g, m in groups.items()})
+
+
+_DIST_ADDR_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):([0-9]{1,5})$")
+
+
+def _resolve_servers(fname: str, hosts: dict[str, Host], host_chain: dict[str, list[tuple[str, dict]]],
+                     host_vars: dict[str, dict], groups: dict[str, list[str]]) -> dict[str, Host]:
+    """Multi-node servers: a group with `multinode: true` in its vars is ONE SGLang server whose
+    members are its nodes. Each member needs a distinct `node_rank` 0..n-1; `nnodes` (if given)
+    must equal the member count; `dist_init_addr` defaults to the rank-0 node's address:20000."""
+    from dataclasses import replace
+
+    server_of: dict[str, str] = {}
+    for hname, chain in host_chain.items():
+        declared = [g for g, gv in chain if gv.get("multinode") is not None]
+        for g, gv in chain:
+            if "multinode" in gv and not isinstance(gv["multinode"], bool):
+                raise InventoryError(fname, None, f"group {g}.vars.multinode", "must be true or false")
+        if "multinode" in host_vars[hname]:
+            raise InventoryError(fname, hname, "multinode", "is a group var: declare the multi-node server as a group")
+        if declared:
+            g = declared[-1]
+            if dict(chain)[g]["multinode"]:
+                server_of[hname] = g
+    members: dict[str, list[str]] = {}
+    for hname, g in server_of.items():
+        members.setdefault(g, []).append(hname)
+    out = dict(hosts)
+    for hname in hosts:
+        merged: dict[str, Any] = {}
+        for _, gv in host_chain[hname]:
+            merged.update({k: gv[k] for k in ("node_rank", "nnodes", "dist_init_addr") if k in gv})
+        merged.update({k: host_vars[hname][k] for k in ("node_rank", "nnodes", "dist_init_addr") if k in host_vars[hname]})
+        if hname not in server_of:
+            for k in ("node_rank", "nnodes", "dist_init_addr"):
+                if merged.get(k) is not None:
+                    raise InventoryError(fname, hname, k, "only hosts of a multi-node server group (`multinode: true`) "
+                                                          "take node_rank/nnodes/dist_init_addr")
+    for g, names in members.items():
+        ranks: dict[int, str] = {}
+        n = len(names)
+        if n < 2:
+            raise InventoryError(fname, None, f"group {g}", "a multi-node server needs at least 2 hosts")
+        for hname in names:
+            h = hosts[hname]
+            hv = {}
+            for _, gv in host_chain[hname]:
+                hv.update({k: gv[k] for k in ("node_rank", "nnodes", "dist_init_addr") if k in gv})
+            hv.update({k: host_vars[hname][k] for k in ("node_rank", "nnodes", "dist_init_addr") if k in host_vars[hname]})
+            r = hv.get("node_rank")
+            if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < n:
+                raise InventoryError(fname, hname, "node_rank", f"must be an integer 0..{n - 1} (server {g} has {n} hosts), got {r!r}")
+            if r in ranks:
+                raise InventoryError(fname, hname, "node_rank", f"rank {r} is also given to {ranks[r]} (server {g})")
+            ranks[r] = hname
+            nn = hv.get("nnodes")
+            if nn is not None and (isinstance(nn, bool) or nn != n):
+                raise InventoryError(fname, hname, "nnodes", f"must equal the number of hosts in server {g} ({n}), got {nn!r}")
+        rank0 = hosts[ranks[0]]
+        for hname in names:
+            h = hosts[hname]
+            addr = None
+            for _, gv in host_chain[hname]:
+                addr = gv.get("dist_init_addr", addr)
+            addr = host_vars[hname].get("dist_init_addr", addr)
+            if addr is None:
+                a = rank0.address
+                addr = f"[{a}]:{DIST_INIT_PORT}" if ":" in a else f"{a}:{DIST_INIT_PORT}"
+            m = _DIST_ADDR_RE.match(addr) if isinstance(addr, str) else None
+            if not m or not 1 <= int(m.group(2)) <= 65535:
+                raise InventoryError(fname, hname, "dist_init_addr", f"must be HOST:PORT such as 10.0.0.5:20000, got {addr!r}")
+            for other in names:
+                if hosts[other].unit != h.unit:
+                    raise InventoryError(fname, hname, "unit", f"all nodes of server {g} must run the same unit "
+                                                               f"({h.unit} vs {hosts[other].unit} on {other})")
+            rank = next(r for r, nm in ranks.items() if nm == hname)
+            out[hname] = replace(h, server=g, node_rank=rank, nnodes=n, dist_init_addr=addr)
+    return out
 
 
 def _check_keys(fname: str, hname: str, vars_: dict, where: str) -> None:

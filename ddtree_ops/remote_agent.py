@@ -339,7 +339,31 @@ def op_install(req):
         atomic_write(path, data, item.get("mode", 0o644), uid, gid)
         purged = purge_bytecode(path)
         done.append({"path": path, "sha256": item["sha256"], "purged": purged})
+        _test_pause(req, len(done))
     return {"installed": done}
+
+
+def _test_pause(req, files_done):
+    """TEST HOOK, off unless the controller sends `test_pause` (it does only when the environment
+    variable DDTREE_OPS_TEST_PAUSE_AT=between-files is set; see deploy.py): after `after` files,
+    write "<pid> between-files" to `file` and wait until a test removes it, so that the tool can
+    be killed between two file replacements. A heartbeat byte on stdout (JSON allows leading
+    whitespace) notices a controller that is gone (EPIPE): then exit at once, touching nothing
+    more, as a process whose connection was cut would."""
+    pause = req.get("test_pause")
+    if not pause or files_done != pause.get("after"):
+        return
+    with open(pause["file"], "w") as fh:
+        fh.write("%d between-files\n" % os.getpid())
+    deadline = time.time() + 600
+    while os.path.exists(pause["file"]):
+        try:
+            os.write(1, b" ")
+        except OSError:
+            os._exit(70)
+        if time.time() > deadline:
+            os._exit(71)
+        time.sleep(0.05)
 
 
 # ------------------------------------------------------------------------------------- restore
@@ -358,6 +382,14 @@ def op_restore(req):
     for e in manifest["entries"]:
         path = e["path"]
         if e["existed"]:
+            now = file_facts(path)
+            if (now["exists"] and now["is_file"] and now["sha256"] == e["sha256"]
+                    and (now["mode"], now["uid"], now["gid"]) == (e["mode"], e["uid"], e["gid"])):
+                # Already as recorded: rewriting it would need free space for a temp copy,
+                # which a full disk (the reason we may be rolling back) does not have.
+                restored.append({"path": path, "action": "unchanged", "sha256": e["sha256"]})
+                purge_bytecode(path)
+                continue
             with open(os.path.join(bdir, e["stored"]), "rb") as fh:
                 data = fh.read()
             atomic_write(path, data, e["mode"], e["uid"], e["gid"])

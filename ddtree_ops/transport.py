@@ -82,11 +82,12 @@ class HostConnection:
             connect_kwargs["key_filename"] = [host.identity_file]
         else:  # fall back to the operator's default keys and agent, as ssh(1) would
             connect_kwargs.update(look_for_keys=True, allow_agent=True)
-        self._conn = Connection(
+        self._make = lambda: Connection(
             host=host.address, user=host.ssh_user, port=host.ssh_port,
-            connect_timeout=host.connect_timeout_s, connect_kwargs=connect_kwargs,
+            connect_timeout=host.connect_timeout_s, connect_kwargs=dict(connect_kwargs),
             config=Config(overrides={"load_ssh_configs": False}),
         )
+        self._conn = self._make()
 
     # -- connection ----------------------------------------------------------------------------
     def open(self) -> "HostConnection":
@@ -131,6 +132,13 @@ class HostConnection:
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self._conn.close()
+
+    def reconnect(self) -> "HostConnection":
+        """A fresh SSH connection in place of a lost one (same host-key checks); every object
+        holding this HostConnection uses the new one."""
+        self.close()
+        self._conn = self._make()
+        return self.open()
 
     def __enter__(self) -> "HostConnection":
         return self.open()

@@ -1,0 +1,228 @@
+"""`ddtree-ops deploy`, `rollback`, `plan`, `render` and `history` on real sandbox hosts."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import httpx
+import pytest
+
+from conftest import DFLASH_INFO, REPO, make_patchset, run_cli, snapshot_paths, upstream_file
+from ddtree_ops.units import parse_exec_flags
+
+DDTREE = "sglang-k26-ddtree.service"
+DFLASH = "sglang-k26-dflash-cg.service"
+PROBE = "sglang/srt/speculative/ddtree_probe.py"
+UPSTREAM_DFLASH_INFO = "71d17803fb088089e1124a58efa5bc46734fd4404c7387a690faadacda50b2d3"
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _healthy(th) -> bool:
+    try:
+        return httpx.get(th.host.base_url + "/health", timeout=3).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_deploy_installs_the_patch_set_renders_the_unit_and_serves(fresh_host, good_patchset):
+    r = run_cli("deploy", "-i", str(fresh_host.inventory), "-p", str(good_patchset), "--budget", "16",
+                "--topk-cap", "4", "--yes", "--json")
+    assert r.code == 0, r.stderr
+    doc = r.json()
+    assert doc["hosts"][0]["outcome"] == "deployed"
+    h = fresh_host.host
+    for rel in (PROBE, DFLASH_INFO):
+        assert fresh_host.read(f"{h.site_packages}/{rel}") == (good_patchset / "files" / rel).read_bytes()
+    unit = fresh_host.read(h.unit_path).decode()
+    assert parse_exec_flags(unit) == {"algorithm": "DDTREE", "budget": 16, "topk_cap": 4}
+    assert fresh_host.unit_state(DDTREE) == "active"
+    assert fresh_host.unit_state(DFLASH) != "active"
+    assert _healthy(fresh_host)
+    hist = run_cli("history", "--host", "sbx1", "-i", str(fresh_host.inventory), "--json").json()
+    assert hist["current"] == doc["hosts"][0]["release"]
+    assert hist["releases"][-1]["outcome"] == "deployed"
+    assert (hist["releases"][-1]["budget"], hist["releases"][-1]["topk_cap"]) == (16, 4)
+
+
+def test_the_real_ddtree_payload_is_imported_and_exercised_by_the_server(fresh_host):
+    r = run_cli("deploy", "-i", str(fresh_host.inventory), "-p", "ddtree-temp", "--yes", "--json")
+    assert r.code == 0, r.stderr
+    h = fresh_host.host
+    gen = httpx.post(h.base_url + "/generate", json={"text": "x", "sampling_params": {
+        "temperature": 0.8, "top_p": 0.9, "max_new_tokens": 24}}, timeout=30).json()
+    assert gen["meta_info"]["spec_ddtree"] is True
+    assert gen["meta_info"]["completion_tokens"] == 24
+    log = fresh_host.ssh(["journalctl", "-u", DDTREE, "-n", "200", "--no-pager"]).stdout
+    assert "ddtree_utils" in log and "DDTree modules imported" in log
+
+
+def test_plan_shows_the_changes_and_changes_nothing(fresh_host, good_patchset):
+    paths = snapshot_paths(fresh_host, [PROBE, DFLASH_INFO])
+    before = fresh_host.snapshot(paths)
+    r = run_cli("plan", "-i", str(fresh_host.inventory), "-p", str(good_patchset), "--json")
+    assert r.code == 0, r.stderr
+    plan = r.json()["plans"][0]
+    status = {f["rel"]: (f["status"], f["old_sha256"]) for f in plan["files"]}
+    assert status[PROBE] == ("new", None)
+    assert status[DFLASH_INFO] == ("change", UPSTREAM_DFLASH_INFO)
+    assert "-    --speculative-ddtree-budget 7" in plan["unit_diff"]
+    assert "+    --speculative-ddtree-budget 16" in plan["unit_diff"]
+    assert plan["stop_units"] == [DFLASH]
+    assert fresh_host.snapshot(paths) == before
+    assert fresh_host.unit_state(DFLASH) == "active"
+
+
+def test_module_with_a_syntax_error_is_refused_in_preflight_and_nothing_changes(fresh_host, tmp_path):
+    ps = make_patchset(tmp_path, {
+        "sglang/srt/speculative/ddtree_broken.py": b"def oops(:\n    pass\n",
+        DFLASH_INFO: upstream_file(DFLASH_INFO) + b"\n# x\n",
+    })
+    paths = snapshot_paths(fresh_host, ["sglang/srt/speculative/ddtree_broken.py", DFLASH_INFO])
+    before = fresh_host.snapshot(paths)
+    pid_before = fresh_host.main_pid(DFLASH)
+    r = run_cli("deploy", "-i", str(fresh_host.inventory), "-p", str(ps), "--yes")
+    assert r.code == 2, r.stderr
+    assert "does not compile" in r.stderr and "ddtree_broken.py:1" in r.stderr
+    assert fresh_host.snapshot(paths) == before
+    assert fresh_host.main_pid(DFLASH) == pid_before  # not even restarted
+    assert fresh_host.ssh(["test", "-e", "/var/lib/ddtree-ops/journal.json"], check=False).exit_code != 0
+    assert fresh_host.ssh(["test", "-e", "/var/lib/ddtree-ops/lock"], check=False).exit_code != 0
+
+
+def test_module_that_raises_at_import_is_caught_while_loading_and_rolled_back(fresh_host, tmp_path):
+    ps = make_patchset(tmp_path, {
+        "sglang/srt/speculative/ddtree_raises.py": b"raise RuntimeError('boom at import')\n",
+        DFLASH_INFO: upstream_file(DFLASH_INFO) + b"\n# x\n",
+    })
+    # A long weight load and a long deadline: only watching the unit can catch this quickly.
+    th = fresh_host.with_vars(tmp_path, extra_args=fresh_host.base_extra_args() + ["--standin-load-seconds=4"],
+                              health={"load_deadline_s": 600, "poll_interval_s": 0.3, "consecutive_successes": 2})
+    paths = snapshot_paths(th, ["sglang/srt/speculative/ddtree_raises.py", DFLASH_INFO])
+    before = th.snapshot(paths)
+    t0 = time.monotonic()
+    r = run_cli("deploy", "-i", str(th.inventory), "-p", str(ps), "--yes", "--json")
+    took = time.monotonic() - t0
+    assert r.code == 3, r.stderr
+    res = r.json()["hosts"][0]
+    assert res["outcome"] == "rolled_back"
+    assert res["failed_step"] == "wait for weights"
+    assert any("boom at import" in line for line in res["log"]), res["log"]
+    assert took < 120  # seconds after the crash, not the 600 s deadline
+    assert th.snapshot(paths) == before
+    assert th.unit_state(DFLASH) == "active" and th.unit_state(DDTREE) != "active"
+    assert _healthy(th)
+
+
+def test_warm_up_that_never_completes_hits_the_deadline_and_rolls_back(fresh_host, tmp_path, good_patchset):
+    th = fresh_host.with_vars(tmp_path, extra_args=fresh_host.base_extra_args() + ["--standin-warmup-never-completes"])
+    paths = snapshot_paths(th, [PROBE, DFLASH_INFO])
+    before = th.snapshot(paths)
+    r = run_cli("deploy", "-i", str(th.inventory), "-p", str(good_patchset), "--yes", "--deadline", "4", "--json")
+    assert r.code == 3, r.stderr
+    res = r.json()["hosts"][0]
+    assert "deadline" in res["message"]
+    assert th.snapshot(paths) == before
+    assert th.unit_state(DFLASH) == "active" and _healthy(th)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--budget", "0"], "--budget must be an integer 1..1024"),
+    (["--budget", "2000"], "--budget must be an integer 1..1024"),
+    (["--budget", "8", "--topk-cap", "9"], "--topk-cap must be an integer 1..budget (8)"),
+    (["--topk-cap", "0"], "--topk-cap must be an integer 1..budget"),
+])
+def test_invalid_budget_or_topk_exits_2_before_connecting(tmp_path, good_patchset, flags, message):
+    # An address nobody answers on: had the tool connected, the error would be a connection error.
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(
+        "all:\n  hosts:\n    ghost:\n      address: 10.200.254.2\n      python: /opt/venv_sglang/bin/python\n"
+        "      site_packages: /opt/venv_sglang/lib/python3.11/site-packages\n"
+        "      model_path: /m\n      draft_model_path: /d\n"
+    )
+    r = run_cli("deploy", "-i", str(inv), "-p", str(good_patchset), "--yes", *flags)
+    assert r.code == 2
+    assert message in r.stderr
+
+
+def test_drifted_upstream_file_is_refused_unless_forced(fresh_host, good_patchset):
+    h = fresh_host.host
+    target = f"{h.site_packages}/{DFLASH_INFO}"
+    fresh_host.ssh(["sh", "-c", 'echo "# local hotfix" >> "$1"', "sh", target])
+    drifted = fresh_host.snapshot([target])
+    r = run_cli("deploy", "-i", str(fresh_host.inventory), "-p", str(good_patchset), "--yes")
+    assert r.code == 2
+    assert "drift" in r.stderr and DFLASH_INFO in r.stderr
+    assert fresh_host.snapshot([target]) == drifted
+    r = run_cli("deploy", "-i", str(fresh_host.inventory), "-p", str(good_patchset), "--yes", "--force")
+    assert r.code == 0, r.stderr
+    # ... and a rollback brings back the drifted bytes exactly, not the upstream ones.
+    r = run_cli("rollback", "-i", str(fresh_host.inventory), "--yes")
+    assert r.code == 0, r.stderr
+    assert fresh_host.snapshot([target]) == drifted
+
+
+def test_held_lock_exits_5_and_names_the_holder(fresh_host, good_patchset):
+    from ddtree_ops.release_store import ReleaseStore
+    from ddtree_ops.transport import connect
+
+    with connect(fresh_host.host) as conn:
+        store = ReleaseStore(conn, fresh_host.host)
+        lock = store.acquire_lock("ddtree-ops deploy (another operator)")
+        try:
+            r = run_cli("deploy", "-i", str(fresh_host.inventory), "-p", str(good_patchset), "--yes")
+            assert r.code == 5
+            assert "deploy lock held by" in r.stderr and "another operator" in r.stderr
+            assert fresh_host.unit_state(DFLASH) == "active"
+        finally:
+            store.release_lock(lock)
+
+
+def test_rollback_steps_back_one_release_then_to_original(fresh_host, good_patchset, tmp_path):
+    inv = str(fresh_host.inventory)
+    assert run_cli("deploy", "-i", inv, "-p", str(good_patchset), "--yes", "--budget", "16").code == 0
+    first = run_cli("history", "--host", "sbx1", "-i", inv, "--json").json()["current"]
+    v2 = make_patchset(tmp_path / "v2", {
+        PROBE: b"PROBE = 'version 2'\n",
+        DFLASH_INFO: upstream_file(DFLASH_INFO) + b"\n# v2\n",
+    })
+    assert run_cli("deploy", "-i", inv, "-p", str(v2), "--yes", "--budget", "32").code == 0
+    h = fresh_host.host
+    assert fresh_host.read(f"{h.site_packages}/{PROBE}") == b"PROBE = 'version 2'\n"
+
+    r = run_cli("rollback", "-i", inv, "--yes", "--json")
+    assert r.code == 0, r.stderr
+    assert r.json()["hosts"][0]["release"] == first
+    assert fresh_host.read(f"{h.site_packages}/{PROBE}") == (good_patchset / "files" / PROBE).read_bytes()
+    assert parse_exec_flags(fresh_host.read(h.unit_path).decode())["budget"] == 16
+    assert _healthy(fresh_host)
+
+    r = run_cli("rollback", "-i", inv, "--yes", "--to", "original", "--json")
+    assert r.code == 0, r.stderr
+    snap = fresh_host.snapshot([f"{h.site_packages}/{DFLASH_INFO}", f"{h.site_packages}/{PROBE}"])
+    assert snap == {f"{h.site_packages}/{DFLASH_INFO}": UPSTREAM_DFLASH_INFO, f"{h.site_packages}/{PROBE}": None}
+    assert parse_exec_flags(fresh_host.read(h.unit_path).decode())["budget"] == 7  # the unit as it was
+    assert fresh_host.unit_state(DFLASH) == "active" and _healthy(fresh_host)
+    hist = run_cli("history", "--host", "sbx1", "-i", inv, "--json").json()
+    assert hist["current"] is None
+    assert {r["outcome"] for r in hist["releases"]} == {"rolled back"}
+
+
+def test_render_prints_the_unit_and_rejects_bad_values(sandbox):
+    r = run_cli("render", "--host", "sbx1", "-i", str(sandbox.inventory_path), "--budget", "64", "--topk-cap", "8")
+    assert r.code == 0, r.stderr
+    assert parse_exec_flags(r.stdout) == {"algorithm": "DDTREE", "budget": 64, "topk_cap": 8}
+    assert "ExecStart=/opt/venv_sglang/bin/python -m ddtree_ops.standin_server" in r.stdout
+    bad = run_cli("render", "--host", "sbx1", "-i", str(sandbox.inventory_path), "--budget", "4", "--topk-cap", "5")
+    assert bad.code == 2 and "--topk-cap" in bad.stderr
+
+
+def test_ct200_unit_renders_like_the_production_unit():
+    r = run_cli("render", "--host", "ct200", "-i", str(REPO / "inventory" / "ct200.yaml"))
+    assert r.code == 0, r.stderr
+    assert "ExecStart=/root/venv_sglang211/bin/python -m sglang.launch_server" in r.stdout
+    assert parse_exec_flags(r.stdout) == {"algorithm": "DDTREE", "budget": 16, "topk_cap": 4}
+    assert "--tp 8" in r.stdout and "Conflicts=sglang-k26-dflash-cg.service" in r.stdout

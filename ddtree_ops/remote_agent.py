@@ -246,6 +246,7 @@ def op_backup(req):
     rdir = os.path.join(state, "releases", rid)
     final = os.path.join(rdir, "backup")
     partial = final + ".partial"
+    ensure_private_dir(state)
     ensure_private_dir(os.path.join(state, "releases"))
     ensure_private_dir(rdir)
     shutil.rmtree(partial, ignore_errors=True)

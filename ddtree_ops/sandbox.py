@@ -54,6 +54,7 @@ CACHE_DIR = Path(os.environ.get("DDTREE_OPS_CACHE", REPO_ROOT / ".cache"))
 _MOUNTED_OVER = ("/etc/systemd/system", "/var/log", "/var/lib", "/opt", "/run", "/usr/lib/systemd/system")
 _SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _ALLOC_LOCK = "/run/lock/ddtree-ops-sandbox.lock"
+SSHD = os.environ.get("DDTREE_OPS_SSHD", "/usr/sbin/sshd")  # Debian's OpenSSH server
 
 
 @dataclass
@@ -89,8 +90,8 @@ def missing_prerequisites() -> list[str]:
                       ("mount", "mount"), ("ssh-keygen", "openssh-client")):
         if not shutil.which(tool, path=_SYSTEM_PATH):
             missing.append(f"`{tool}` (apt-get install -y {pkg})")
-    if not os.access("/usr/sbin/sshd", os.X_OK):
-        missing.append("OpenSSH server /usr/sbin/sshd (apt-get install -y openssh-server)")
+    if not os.access(SSHD, os.X_OK):
+        missing.append(f"OpenSSH server {SSHD} (apt-get install -y openssh-server)")
     if not os.access("/usr/lib/openssh/sftp-server", os.X_OK):
         missing.append("sftp-server /usr/lib/openssh/sftp-server (apt-get install -y openssh-sftp-server)")
     if not _systemctl3():
@@ -202,9 +203,13 @@ class Sandbox:
         return [SandboxHost(**h) for h in state.get("hosts", [])]
 
     # -- up ----------------------------------------------------------------------------------
-    def up(self, n_hosts: int = 2, *, load_seconds: float = 0.5, timeout_s: float = 60.0) -> list[dict]:
+    def up(self, n_hosts: int = 2, *, load_seconds: float = 0.5, timeout_s: float = 60.0,
+           multinode: int = 0) -> list[dict]:
+        """`multinode=N`: the last N hosts form one multi-node server (group `server1`)."""
         if not 1 <= n_hosts <= 32:
             raise SandboxError(f"--hosts must be 1..32, got {n_hosts}")
+        if multinode and not 2 <= multinode <= n_hosts:
+            raise SandboxError(f"--multinode must be 2..{n_hosts} (hosts), got {multinode}")
         missing = missing_prerequisites()
         if missing:
             raise SandboxError("cannot create sandbox hosts; missing:\n  - " + "\n  - ".join(missing))
@@ -235,7 +240,7 @@ class Sandbox:
                     state["hosts"].append(asdict(h))
                     self._save_state(state)
                     self._make_netns(h)
-            self._write_inventory(hosts, load_seconds)
+            self._write_inventory(hosts, load_seconds, multinode)
             inv = load_inventory(self.inventory_path)
             known_lines = []
             for h in hosts:
@@ -267,7 +272,7 @@ class Sandbox:
         _run(["ip", "-n", h.netns, "link", "set", "eth0", "up"])
         _run(["ip", "-n", h.netns, "link", "set", "lo", "up"])
 
-    def _write_inventory(self, hosts: list[SandboxHost], load_seconds: float) -> None:
+    def _write_inventory(self, hosts: list[SandboxHost], load_seconds: float, multinode: int = 0) -> None:
         doc = {
             "all": {
                 "vars": {
@@ -299,6 +304,8 @@ class Sandbox:
                 },
             }
         }
+        if multinode:
+            doc = multinode_inventory(doc, [h.name for h in hosts[-multinode:]])
         header = ("# Written by `ddtree-ops sandbox up`: local test hosts in network namespaces.\n"
                   "# Edit freely (e.g. fault knobs in extra_args); `sandbox up` rewrites it.\n")
         self.inventory_path.write_text(header + yaml.safe_dump(doc, sort_keys=False))
@@ -357,7 +364,7 @@ class Sandbox:
         (d / "bin" / "journalctl").write_text(f"#!/bin/sh\nexec {sys.executable} {journalctl3} \"$@\"\n")
         for f in ("systemctl", "journalctl"):
             os.chmod(d / "bin" / f, 0o755)
-        (d / "boot.sh").write_text(_BOOT_SCRIPT.format(dir=d, sshd_pidfile=d / "sshd.pid", init_pidfile=d / "init.pid"))
+        (d / "boot.sh").write_text(_BOOT_SCRIPT.format(dir=d, sshd=SSHD, sshd_pidfile=d / "sshd.pid", init_pidfile=d / "init.pid"))
         pub = (d / "ssh" / "ssh_host_ed25519_key.pub").read_text().split()
         return f"{h.address} {pub[0]} {pub[1]}\n"
 
@@ -493,6 +500,21 @@ class Sandbox:
         return {"hosts": len(state.get("hosts", [])), "killed": killed}
 
 
+def multinode_inventory(doc: dict[str, Any], names: list[str], group: str = "server1") -> dict[str, Any]:
+    """A copy of a sandbox inventory document where `names` (rank 0 first) form one multi-node
+    server: moved from the `sandbox` group into `group` with `multinode: true` and `node_rank`."""
+    import copy
+
+    doc = copy.deepcopy(doc)
+    children = doc["all"]["children"]
+    hosts = children["sandbox"]["hosts"]
+    members = {}
+    for rank, n in enumerate(names):
+        members[n] = {**(hosts.pop(n) or {}), "node_rank": rank}
+    children[group] = {"vars": {"multinode": True}, "hosts": members}
+    return doc
+
+
 _BOOT_SCRIPT = """\
 # Runs as PID of the host (ip netns exec + unshare --mount): private mounts, then sshd.
 set -eu
@@ -513,7 +535,7 @@ cd /
 # The supervisor: starts the enabled units and restarts them per Restart=.
 setsid systemctl -c InitLoopSleep=1 init </dev/null >/var/log/systemctl-init.log 2>&1 &
 echo $! > {init_pidfile}
-exec /usr/sbin/sshd -D -e -f /run/ddtree-sandbox/sshd_config
+exec {sshd} -D -e -f /run/ddtree-sandbox/sshd_config
 """
 
 

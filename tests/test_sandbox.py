@@ -143,3 +143,68 @@ def test_server_port_is_per_host(sandbox):
     for h in inv.hosts.values():
         with socket.create_connection((h.address, h.port), timeout=2):
             pass
+
+
+def _mounts_mentioning(text: str) -> list[str]:
+    with open("/proc/self/mountinfo") as fh:
+        return [line for line in fh if text in line]
+
+
+def test_down_leaves_no_process_namespace_or_mount(tmp_path):
+    from ddtree_ops.sandbox import Sandbox, _namespace_pids, _pid_alive
+
+    sb = Sandbox(tmp_path / "own")
+    try:
+        sb.up(1, load_seconds=0.1)
+        (h,) = sb.hosts()
+        pids = _namespace_pids(h)
+        assert len(pids) >= 3  # sshd, the supervisor, the server (at least)
+        mnt_ns = os.readlink(f"/proc/{h.sshd_pid}/ns/mnt")
+    finally:
+        result = sb.down()
+    assert result["hosts"] == 1 and result["killed"] >= 3
+    assert not any(_pid_alive(p) for p in pids)
+    assert not os.path.exists(f"/run/netns/{h.netns}")
+    assert not os.path.exists(f"/sys/class/net/{h.veth}")
+    assert not _mounts_mentioning(str(tmp_path / "own"))
+    alive_in_ns = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.readlink(f"/proc/{entry}/ns/mnt") == mnt_ns and _pid_alive(int(entry)):
+                    alive_in_ns.append(entry)
+            except OSError:
+                pass
+    assert alive_in_ns == []
+    assert not (tmp_path / "own").exists()
+
+
+def test_up_again_replaces_the_previous_hosts_cleanly(tmp_path):
+    from ddtree_ops.sandbox import Sandbox, _pid_alive
+
+    sb = Sandbox(tmp_path / "again")
+    try:
+        sb.up(1, load_seconds=0.1)
+        (old,) = sb.hosts()
+        sb.up(1, load_seconds=0.1)
+        (new,) = sb.hosts()
+        assert new.netns != old.netns
+        assert not os.path.exists(f"/run/netns/{old.netns}") and not _pid_alive(old.sshd_pid)
+        assert sb.status()[0]["health_up"]
+    finally:
+        sb.down()
+
+
+def test_up_without_prerequisites_names_them_and_creates_nothing(tmp_path, monkeypatch):
+    from ddtree_ops import sandbox as sbmod
+    from ddtree_ops.errors import SandboxError
+
+    monkeypatch.setattr(sbmod.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(sbmod, "SSHD", str(tmp_path / "no-sshd"))
+    target = tmp_path / "never"
+    with pytest.raises(SandboxError) as e:
+        sbmod.Sandbox(target).up(2)
+    msg = str(e.value)
+    assert "root privileges" in msg and "openssh-server" in msg and str(tmp_path / "no-sshd") in msg
+    assert not target.exists()
+    assert e.value.exit_code == 2

@@ -7,6 +7,7 @@ namespace in which the production paths exist unchanged:
     /var/log, /var/lib    → per-host folders (journal files, the ddtree-ops state dir)
     /opt                  → per-host folder holding /opt/venv_sglang, a real venv whose
                             site-packages has the real sglang 0.5.23 files and dist-info
+                            (an overlay: the cached wheel tree below, the host's changes above)
     /run                  → a fresh tmpfs (sshd privsep dir, systemctl lock and status files)
     /usr/lib/systemd/system → an empty tmpfs (the machine's own units stay invisible)
     /usr/bin/systemctl, /usr/bin/journalctl → docker-systemctl-replacement wrappers
@@ -323,12 +324,15 @@ class Sandbox:
         venv = d / "opt" / "venv_sglang"
         _run([sys.executable if not hasattr(sys, "base_prefix") else
               str(Path(sys.base_prefix) / "bin" / "python3"), "-m", "venv", "--without-pip", str(venv)])
-        sp = venv / "lib" / PY_TAG / "site-packages"
-        _run(["cp", "-a", f"{site_tree}/sglang", f"{site_tree}/sglang-{SGLANG_VERSION}.dist-info", str(sp)])
+        # site-packages is an overlay inside the host: the cached wheel tree below (never
+        # written), this host's changes above. Real files to every reader, and a reset is an
+        # empty folder instead of copying 6,000 files.
+        (d / "site-upper").mkdir()
+        (d / "site-work").mkdir()
         # The tool's own environment (torch, the stand-in) behind the real files: upstream sglang
         # stays first on sys.path, exactly as in the production venv.
         tool_site = next(p for p in sys.path if p.endswith("site-packages") and p.startswith(sys.prefix))
-        (sp / "zz-ddtree-ops-sandbox.pth").write_text(f"import site; site.addsitedir({tool_site!r})\n")
+        (d / "site-upper" / "zz-ddtree-ops-sandbox.pth").write_text(f"import site; site.addsitedir({tool_site!r})\n")
 
         # Units: the DFlash server runs; the DDTree unit is there at its old settings, stopped.
         old = replace(host, budget=7, topk_cap=1)
@@ -364,7 +368,7 @@ class Sandbox:
         (d / "bin" / "journalctl").write_text(f"#!/bin/sh\nexec {sys.executable} {journalctl3} \"$@\"\n")
         for f in ("systemctl", "journalctl"):
             os.chmod(d / "bin" / f, 0o755)
-        (d / "boot.sh").write_text(_BOOT_SCRIPT.format(dir=d, sshd=SSHD, sshd_pidfile=d / "sshd.pid", init_pidfile=d / "init.pid"))
+        (d / "boot.sh").write_text(_BOOT_SCRIPT.format(dir=d, sshd=SSHD, site_tree=site_tree, site_packages=SITE_PACKAGES, sshd_pidfile=d / "sshd.pid", init_pidfile=d / "init.pid"))
         pub = (d / "ssh" / "ssh_host_ed25519_key.pub").read_text().split()
         return f"{h.address} {pub[0]} {pub[1]}\n"
 
@@ -524,6 +528,7 @@ mount --bind "$H/etc-systemd-system" /etc/systemd/system
 mount --bind "$H/var-log" /var/log
 mount --bind "$H/var-lib" /var/lib
 mount --bind "$H/opt" /opt
+mount -t overlay ddtree-site -o lowerdir={site_tree},upperdir="$H/site-upper",workdir="$H/site-work" {site_packages}
 mount -t tmpfs -o mode=0755 ddtree-run /run
 mkdir -p /run/sshd /run/systemd /run/lock /run/ddtree-sandbox
 cp "$H/ssh/ssh_host_ed25519_key" "$H/ssh/authorized_keys" "$H/ssh/sshd_config" /run/ddtree-sandbox/

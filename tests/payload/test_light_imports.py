@@ -14,7 +14,7 @@ from conftest import FILES_DIR
 
 def test_ddtree_modules_import_light():
     mods = sorted(p.stem for p in (FILES_DIR / "sglang/srt/speculative").glob("ddtree*.py"))
-    assert {"ddtree_utils", "ddtree_worker", "ddtree_args"} <= set(mods)
+    assert {"ddtree_utils", "ddtree_verify", "ddtree_worker", "ddtree_args"} <= set(mods)
     code = textwrap.dedent(
         f"""
         import sys, importlib.abc

@@ -99,10 +99,44 @@ def test_patched_sglang_end_to_end_cpu(tmp_path):
         cfg = ddtree_worker.DDTreeConfig(8, 3)
         plan = ddtree_worker.plan_ddtree_step(torch.randn(2, 4, 50), torch.tensor([1, 2]), torch.tensor([5, 9]), cfg)
         OUT["plan"] = list(plan.tree.parents.shape)
+        # 1.1.0: the tree-verify flag, the verify input class, EAGLE's helpers
+        tv = prepare_server_args(base + ["--speculative-algorithm", "DDTREE",
+            "--speculative-ddtree-budget", "8", "--speculative-ddtree-tree-verify"])
+        OUT["tree_flag"] = [tv.speculative_ddtree_tree_verify, a.speculative_ddtree_tree_verify]
+        try:
+            prepare_server_args(base + ["--speculative-algorithm", "DFLASH", "--speculative-ddtree-tree-verify"])
+            bad["tree_flag_dflash"] = "accepted"
+        except ValueError as e:
+            bad["tree_flag_dflash"] = str(e)
+        from sglang.srt.speculative import ddtree_verify as dv
+        from sglang.srt.speculative.dflash_info import DFlashVerifyInput
+        from sglang.srt.speculative.spec_info import SpecInputType
+        from sglang.srt.speculative.eagle_worker_common import _compact_accept_to_front
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+        VI = cls.DDTreeVerifyInput
+        g = torch.Generator().manual_seed(0)
+        p = dv.ddtree_prepare_verify(torch.randn(2, 4, 50, generator=g), torch.tensor([1, 2]),
+                                     torch.tensor([5, 9]), 8, 3, seq_lens_sum=14)
+        vi = VI(draft_token=p.draft_token, positions=p.positions, draft_token_num=p.width,
+                custom_mask=p.custom_mask, capture_hidden_mode=CaptureHiddenMode.FULL)
+        OUT["verify_input"] = [issubclass(VI, DFlashVerifyInput), vi.spec_input_type == SpecInputType.DFLASH_VERIFY,
+                               vi.num_tokens_per_req, vi.topk, int(vi.custom_mask.numel())]
+        logits = torch.randn(18, 50, generator=g)
+        pr, ai, an = dv.ddtree_accept(logits, p)
+        x = torch.randn(18, 7, generator=g)
+        OUT["compact_eq_eagle"] = bool(torch.equal(
+            dv.compact_to_front(x, ai, 2, 9), _compact_accept_to_front(x, ai, 2, num_draft_tokens=9)))
+        OUT["blockers_default"] = ddtree_worker.tree_verify_blockers(
+            enabled=False, attn_backend="FlashAttentionBackend", page_size=1, head_tp_size=1,
+            attn_dp=False, compact_draft_cache=False, mamba=False, selector=False, domino=False,
+            simulate_acc=False, ragged_verify=False)
+        import sglang.srt.layers.attention.flashinfer_backend as fib
+        import sglang.srt.layers.attention.triton_backend as trb
+        OUT["mask_backends_exist"] = [hasattr(fib, "FlashInferAttnBackend"), hasattr(trb, "TritonAttnBackend")]
         """,
         tmp_path,
     )
-    assert out["modules"] == ["ddtree_args.py", "ddtree_utils.py", "ddtree_worker.py"]
+    assert out["modules"] == ["ddtree_args.py", "ddtree_utils.py", "ddtree_verify.py", "ddtree_worker.py"]
     assert out["parsed"] == ["DFLASH", 32, 8, True]
     assert out["defaults"] == ["DFLASH", 64, 64]
     assert out["plain"] == ["DFLASH", None]
@@ -117,3 +151,11 @@ def test_patched_sglang_end_to_end_cpu(tmp_path):
     assert bad["nonint"] == "argparse exit 2"
     assert out["max_width"] == 33
     assert out["plan"] == [2, 9]
+    assert out["tree_flag"] == [True, False]
+    assert "require --speculative-algorithm DDTREE" in bad["tree_flag_dflash"]
+    # N = 9 nodes per request; FULL_MASK = 9*(5+9) + 9*(9+9)
+    assert out["verify_input"] == [True, True, 9, 1, 9 * 14 + 9 * 18]
+    assert out["compact_eq_eagle"] is True
+    assert "--speculative-ddtree-tree-verify is off" in out["blockers_default"]
+    assert any("FlashAttentionBackend" in r for r in out["blockers_default"])
+    assert out["mask_backends_exist"] == [True, True]

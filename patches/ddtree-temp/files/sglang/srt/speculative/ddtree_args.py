@@ -24,11 +24,13 @@ def _as_int(name: str, value) -> int:
     return value
 
 
-def resolve_ddtree_args(algorithm, budget, topk_cap, debug_metrics=False):
+def resolve_ddtree_args(algorithm, budget, topk_cap, debug_metrics=False, tree_verify=False):
     """Validate. Returns (algorithm, budget, topk_cap) to store, or raises
     DDTreeArgumentError (a ValueError) with a message naming the flag."""
     algo = None if algorithm is None else str(algorithm).upper()
-    flags_given = budget is not None or topk_cap is not None or bool(debug_metrics)
+    flags_given = (
+        budget is not None or topk_cap is not None or bool(debug_metrics) or bool(tree_verify)
+    )
     if algo == DDTREE or (algo == "DFLASH" and budget is not None):
         budget = DEFAULT_BUDGET if budget is None else _as_int("speculative-ddtree-budget", budget)
         if budget < 1:
@@ -45,7 +47,7 @@ def resolve_ddtree_args(algorithm, budget, topk_cap, debug_metrics=False):
     if flags_given:
         raise DDTreeArgumentError(
             "--speculative-ddtree-budget/--speculative-ddtree-topk-cap/"
-            "--speculative-ddtree-debug-metrics require --speculative-algorithm DDTREE "
+            "--speculative-ddtree-debug-metrics/--speculative-ddtree-tree-verify require --speculative-algorithm DDTREE "
             f"(got {algorithm!r})."
         )
     return algorithm, budget, topk_cap
@@ -58,6 +60,7 @@ def normalize_ddtree_server_args(server_args) -> None:
         getattr(server_args, "speculative_ddtree_budget", None),
         getattr(server_args, "speculative_ddtree_topk_cap", None),
         getattr(server_args, "speculative_ddtree_debug_metrics", False),
+        getattr(server_args, "speculative_ddtree_tree_verify", False),
     )
     if getattr(server_args, "speculative_algorithm", None) != algo:
         server_args.speculative_algorithm = algo

@@ -86,6 +86,13 @@ class Spec(msgspec.Struct):
         "DDTREE only. Log per-step tree statistics and check every draft tree for "
         "duplicate sibling tokens (synchronises with the host; for debugging).",
     ] = False
+    speculative_ddtree_tree_verify: A[
+        bool,
+        "DDTREE only. EXPERIMENTAL, not yet validated on a GPU: verify the draft tree "
+        "(budget + 1 tokens per request, eager target verify, FlashInfer/Triton "
+        "attention, page size 1, TP 1). Off by default: DDTREE then decodes with "
+        "DFlash's lossless chain verify.",
+    ] = False
     speculative_domino_candidate_pool_size: A[
         int,
         "Domino only. Size of the approximate block-shared base-logit candidate pool. Set to 0 to score the full vocabulary.",

@@ -61,6 +61,7 @@ def sandbox_up(
     hosts: int = typer.Option(2, "--hosts", "-n", help="How many test hosts."),
     dir: str = typer.Option("sandbox", "--dir", help="Folder for keys, inventory and host state."),
     load_seconds: float = typer.Option(0.5, "--load-seconds", help="Stand-in weight-loading time."),
+    multinode: int = typer.Option(0, "--multinode", help="The last N hosts form one multi-node server (group server1)."),
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
 ):
     """Create N local test hosts and write DIR/inventory.yaml."""
@@ -68,7 +69,7 @@ def sandbox_up(
 
     def body():
         sb = Sandbox(dir)
-        rows = sb.up(hosts, load_seconds=load_seconds)
+        rows = sb.up(hosts, load_seconds=load_seconds, multinode=multinode)
         if as_json:
             _emit_json({"ok": True, "inventory": str(sb.inventory_path), "hosts": rows})
         else:
@@ -129,18 +130,10 @@ def _print_sandbox(rows: list[dict]) -> None:
 
 INVENTORY_OPT = typer.Option("inventory/ct200.yaml", "--inventory", "-i", help="Inventory file.")
 LIMIT_OPT = typer.Option(None, "--limit", "-l", help="Host names, group names or globs, comma-separated.")
-PATCHSET_OPT = typer.Option("ddtree-temp", "--patchset", "-p", help="A name under patches/ or a patch-set folder.")
-
-
-class _Reporter:
-    """Step lines on stderr; with --json nothing but the document goes to stdout."""
-
-    def __init__(self, quiet: bool = False):
-        self.quiet = quiet
-
-    def __call__(self, host: str, msg: str) -> None:
-        if not self.quiet:
-            _log(f"[{host}] {msg}")
+DEFAULT_PATCHSET = "ddtree-temp"
+PATCHSET_OPT = typer.Option(None, "--patchset", "-p",
+                            help=f"A name under patches/ or a patch-set folder (default {DEFAULT_PATCHSET}).")
+BUNDLE_OPT = typer.Option(None, "--bundle", help="A release bundle (ddtree-ops bundle); verified before use.")
 
 
 def _hosts(inventory: str, limit: Optional[str], budget: Optional[int] = None, topk_cap: Optional[int] = None):
@@ -157,6 +150,7 @@ def render(
     budget: Optional[int] = typer.Option(None, "--budget", help="Draft nodes per step, root excluded (1..1024)."),
     topk_cap: Optional[int] = typer.Option(None, "--topk-cap", help="Candidates per depth (1..budget)."),
     verify: bool = typer.Option(True, "--verify/--no-verify", help="Check with systemd-analyze verify (locally)."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
 ):
     """Print the systemd unit ddtree-ops would write for HOST. Connects to nothing."""
     from .inventory import load_inventory, with_overrides
@@ -167,21 +161,41 @@ def render(
         text = render_unit(h)
         if verify:
             verify_unit(text, h.unit, check_executables=False)
-        sys.stdout.write(text)
-    _guard(body)
+        if as_json:
+            _emit_json({"ok": True, "host": h.name, "unit": h.unit, "path": h.unit_path, "verified": verify, "text": text})
+        else:
+            sys.stdout.write(text)
+    _guard(body, as_json=as_json)
 
 
-def _load_ps(patchset: str):
+def _load_ps(patchset: str | None):
     from .patchset import load_patchset
 
-    return load_patchset(patchset)
+    return load_patchset(patchset or DEFAULT_PATCHSET)
+
+
+def _load_source(patchset: str | None, bundle: str | None):
+    """(patch set, opened bundle or None). A bundle is verified completely here, before any
+    connection: tampered or truncated → BundleError (exit 2)."""
+    from .errors import InputError
+
+    if bundle:
+        if patchset:
+            raise InputError("give either --bundle or --patchset, not both")
+        from .bundle import open_bundle
+
+        b = open_bundle(bundle)
+        _log(f"bundle {b.id} verified ({len(b.manifest['files'])} files, sha256 {b.sha256[:16]}…)")
+        return b.patchset, b
+    return _load_ps(patchset), None
 
 
 @app.command()
 def plan(
     inventory: str = INVENTORY_OPT,
     limit: Optional[str] = LIMIT_OPT,
-    patchset: str = PATCHSET_OPT,
+    patchset: Optional[str] = PATCHSET_OPT,
+    bundle: Optional[str] = BUNDLE_OPT,
     budget: Optional[int] = typer.Option(None, "--budget"),
     topk_cap: Optional[int] = typer.Option(None, "--topk-cap"),
     force: bool = typer.Option(False, "--force", help="Treat drifted files as replaceable."),
@@ -193,17 +207,20 @@ def plan(
     from .transport import connect
 
     def body():
+        ps, b = _load_source(patchset, bundle)
         hosts = _hosts(inventory, limit, budget, topk_cap)
-        ps = _load_ps(patchset)
+        tdir = str(b.templates_dir) if b else None
         plans, errors = [], []
         for h in hosts:
             try:
                 with connect(h, accept_new_host_keys=accept_new_host_keys) as conn:
-                    plans.append(plan_host(conn, h, ps, force=force))
+                    plans.append(plan_host(conn, h, ps, force=force, templates_dir=tdir))
             except DdtreeOpsError as e:
                 errors.append({"host": h.name, "error": type(e).__name__, "message": str(e), "exit_code": e.exit_code})
         if as_json:
-            _emit_json({"ok": not errors, "patchset": ps.label, "plans": [p.to_dict() for p in plans], "errors": errors})
+            code = max([e["exit_code"] for e in errors] or [2 if any(p.refusals for p in plans) else 0])
+            _emit_json({"ok": code == 0, "exit_code": code, "patchset": ps.label, "bundle": b.id if b else None,
+                        "plans": [p.to_dict() for p in plans], "errors": errors})
         else:
             for p in plans:
                 _print_plan(p)
@@ -237,35 +254,75 @@ def _print_plan(p) -> None:
         con.print(f"  [red]refused[/red]: {r}")
 
 
-def _print_results(results, as_json: bool, extra: dict | None = None) -> int:
-    from .fleet import overall_exit_code
-
-    code = overall_exit_code(results)
+def _print_rollout(res, as_json: bool, extra: dict | None = None) -> int:
+    """The summary: one JSON document, or a table on stdout (log excerpts after it)."""
+    code = res.exit_code
     if as_json:
-        _emit_json({"ok": code == 0, "exit_code": code, **(extra or {}), "hosts": [r.to_dict() for r in results]})
-    else:
-        from rich.console import Console
-        from rich.table import Table
+        _emit_json({**res.to_dict(), **(extra or {})})
+        return code
+    from rich.console import Console
+    from rich.table import Table
 
-        t = Table("host", "outcome", "release", "failed step", "seconds", "message")
-        for r in results:
-            t.add_row(r.host, r.outcome, r.release or "-", r.failed_step or "-", f"{r.seconds:.1f}",
-                      (r.message or "").splitlines()[0][:80] if r.message else "")
-        Console(stderr=False).print(t)
-        for r in results:
-            if r.log:
-                print(f"--- last log lines of {r.host} ---")
-                print("\n".join(r.log[-15:]))
+    from .fleet import summary_rows
+
+    title = f"{res.action}: " + (f"ABORTED ({res.abort_reason})" if res.aborted else "done") + f" in {res.seconds:.1f} s"
+    t = Table("host", "outcome", "release", "failed step", "seconds", "message", title=title, title_justify="left")
+    for row in summary_rows(res):
+        t.add_row(row["host"], row["outcome"], row["release"] or "-", row["failed_step"] or "-", f"{row['seconds']:.1f}",
+                  row["message"][:80])
+    Console(stderr=False).print(t)
+    for r in res.results:
+        if r.log:
+            print(f"--- last log lines of {r.host} ---")
+            print("\n".join(r.log[-15:]))
+    print(f"exit code {code}")
     return code
 
 
-@app.command()
+def _confirm(yes: bool, question: str) -> None:
+    """Ask only on an interactive terminal without --yes; CI (stdin not a TTY) is never asked."""
+    if not yes and sys.stdin.isatty():
+        if not typer.confirm(question):
+            raise typer.Exit(1)
+
+
+def _targets(inventory: str, limit: Optional[str], budget: Optional[int] = None, topk_cap: Optional[int] = None):
+    from .fleet import make_targets
+    from .inventory import load_inventory, with_overrides
+
+    inv = load_inventory(inventory)
+    selected = [with_overrides(h, budget=budget, topk_cap=topk_cap) for h in inv.select(limit)]
+    targets, notes = make_targets(inv, selected)
+    if budget is not None or topk_cap is not None:  # nodes added to a partly selected server get them too
+        from .fleet import Target
+
+        targets = [Target(t.name, tuple(with_overrides(h, budget=budget, topk_cap=topk_cap) for h in t.hosts))
+                   for t in targets]
+    return targets, notes
+
+
+ROLLOUT_HELP = ("Targets (hosts; a multi-node server counts as one) run as: --canary N first, then batches of "
+                "--batch N|P% in parallel (at most --forks at once); the rollout stops when the failed targets "
+                "exceed --max-fail P% of those attempted, and an aborted rollout rolls back what it updated "
+                "(--keep-updated to keep it).")
+
+
+@app.command(help="Ship the patch set: preflight, backup, atomic install, unit, restart, wait, health gate, "
+                  "commit. Any failure after the first change rolls the host back by itself. " + ROLLOUT_HELP)
 def deploy(
     inventory: str = INVENTORY_OPT,
     limit: Optional[str] = LIMIT_OPT,
-    patchset: str = PATCHSET_OPT,
+    patchset: Optional[str] = PATCHSET_OPT,
+    bundle: Optional[str] = BUNDLE_OPT,
     budget: Optional[int] = typer.Option(None, "--budget", help="Draft nodes per step, root excluded (1..1024)."),
     topk_cap: Optional[int] = typer.Option(None, "--topk-cap", help="Candidates per depth (1..budget)."),
+    canary: int = typer.Option(1, "--canary", help="Targets deployed first; any failure there aborts the rollout."),
+    batch: Optional[str] = typer.Option(None, "--batch", help="Targets per batch after the canary: N or P% "
+                                                                "(default: all the rest at once)."),
+    max_fail: str = typer.Option("0%", "--max-fail", help="Abort when failed targets EXCEED this share of those "
+                                                          "attempted (Ansible's max_fail_percentage)."),
+    forks: int = typer.Option(10, "--forks", help="Parallel workers (SSH connections) at most."),
+    keep_updated: bool = typer.Option(False, "--keep-updated", help="On abort, leave updated hosts on the new release."),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout; logs on stderr."),
     no_rollback: bool = typer.Option(False, "--no-rollback", help="On failure leave the host as is (exit 4)."),
@@ -274,24 +331,28 @@ def deploy(
     accept_new_host_keys: bool = typer.Option(False, "--accept-new-host-keys", help="Record unknown host keys (never changed ones)."),
     deadline: Optional[float] = typer.Option(None, "--deadline", help="Seconds to wait for weight loading (default: inventory)."),
 ):
-    """Ship the patch set: preflight, backup, atomic install, unit, restart, wait, health gate, commit.
-    Any failure after the first change rolls the host back by itself."""
-    from .fleet import run_sequential
+    from .deploy import DeployOptions
+    from .fleet import plan_batches, parse_percent, rolling_deploy
+    from .fleetview import make_progress
 
     def body():
-        hosts = _hosts(inventory, limit, budget, topk_cap)
-        ps = _load_ps(patchset)
-        if not yes and sys.stdin.isatty():
-            names = ", ".join(h.name for h in hosts)
-            if not typer.confirm(f"Deploy {ps.label} to {names}?"):
-                raise typer.Exit(1)
-        from .deploy import DeployOptions
-
+        ps, b = _load_source(patchset, bundle)
+        targets, notes = _targets(inventory, limit, budget, topk_cap)
+        parse_percent(max_fail)
+        plan_batches(len(targets), canary=canary, batch=batch)  # bad --batch/--canary: exit 2 before connecting
+        _confirm(yes, f"Deploy {ps.label}{' (bundle ' + b.id + ')' if b else ''} to "
+                      f"{', '.join(t.name for t in targets)}?")
         opts = DeployOptions(force=force, break_lock=break_lock, no_rollback=no_rollback,
-                             command=" ".join(["ddtree-ops", *sys.argv[1:]])[:500], deadline_s=deadline)
-        results = run_sequential(hosts, lambda d: d.deploy(ps, opts), accept_new_host_keys=accept_new_host_keys,
-                                 report=_Reporter())
-        return _print_results(results, as_json, {"patchset": ps.label})
+                             command=" ".join(["ddtree-ops", *sys.argv[1:]])[:500], deadline_s=deadline,
+                             bundle_id=b.id if b else None, templates_dir=str(b.templates_dir) if b else None)
+        try:
+            res = rolling_deploy(targets, ps, opts, canary=canary, batch=batch, max_fail=max_fail, forks=forks,
+                                 keep_updated=keep_updated, accept_new_host_keys=accept_new_host_keys,
+                                 progress=make_progress(), notes=notes)
+        finally:
+            if b:
+                b.close()
+        return _print_rollout(res, as_json, {"patchset": ps.label, "bundle": b.id if b else None})
     _guard(body, as_json=as_json)
 
 
@@ -300,24 +361,89 @@ def rollback(
     inventory: str = INVENTORY_OPT,
     limit: Optional[str] = LIMIT_OPT,
     to: Optional[str] = typer.Option(None, "--to", help="A release id, or 'original' for the upstream files."),
+    batch: Optional[str] = typer.Option(None, "--batch", help="Targets per batch: N or P% (default: all at once)."),
+    forks: int = typer.Option(10, "--forks", help="Parallel workers (SSH connections) at most."),
     yes: bool = typer.Option(False, "--yes", "-y"),
     as_json: bool = typer.Option(False, "--json"),
     break_lock: bool = typer.Option(False, "--break-lock"),
     accept_new_host_keys: bool = typer.Option(False, "--accept-new-host-keys"),
 ):
-    """Back to the previous release (or --to RELEASE|original), with the same restart and health gate."""
+    """Back to the previous release (or --to RELEASE|original), with the same restart and health gate,
+    over the same selection as deploy (multi-node servers as a whole)."""
     from .deploy import DeployOptions
-    from .fleet import run_sequential
+    from .fleet import plan_batches, rolling_rollback
+    from .fleetview import make_progress
+
+    def body():
+        targets, notes = _targets(inventory, limit)
+        plan_batches(len(targets), canary=0, batch=batch)
+        _confirm(yes, f"Roll back {', '.join(t.name for t in targets)} to {to or 'the previous release'}?")
+        opts = DeployOptions(break_lock=break_lock, command=" ".join(["ddtree-ops", *sys.argv[1:]])[:500])
+        res = rolling_rollback(targets, to, opts, batch=batch, forks=forks, accept_new_host_keys=accept_new_host_keys,
+                               progress=make_progress(), notes=notes)
+        return _print_rollout(res, as_json)
+    _guard(body, as_json=as_json)
+
+
+@app.command()
+def status(
+    inventory: str = INVENTORY_OPT,
+    limit: Optional[str] = LIMIT_OPT,
+    as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
+    forks: int = typer.Option(10, "--forks", help="Hosts read in parallel at most."),
+    accept_new_host_keys: bool = typer.Option(False, "--accept-new-host-keys"),
+):
+    """Per host, read in parallel: reachable (or why not), release and patch set, budget/topk of the active
+    unit, drift, unit states, /health, avg accept length. Exit 0 when every host is reachable, without drift
+    and healthy; 1 otherwise."""
+    from .status import collect_status
 
     def body():
         hosts = _hosts(inventory, limit)
-        if not yes and sys.stdin.isatty():
-            if not typer.confirm(f"Roll back {', '.join(h.name for h in hosts)} to {to or 'the previous release'}?"):
-                raise typer.Exit(1)
-        opts = DeployOptions(break_lock=break_lock, command=" ".join(["ddtree-ops", *sys.argv[1:]])[:500])
-        results = run_sequential(hosts, lambda d: d.rollback(to, opts), accept_new_host_keys=accept_new_host_keys,
-                                 report=_Reporter())
-        return _print_results(results, as_json)
+        rows = collect_status(hosts, accept_new_host_keys=accept_new_host_keys, forks=forks)
+        code = 0 if all(r["ok"] for r in rows) else EXIT_ERROR
+        if as_json:
+            _emit_json({"ok": code == 0, "exit_code": code, "hosts": rows})
+            return code
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table("host", "reachable", "release", "patch set", "budget", "topk", "drift", "active unit", "/health",
+                  "accept len")
+        for r in rows:
+            acc = r.get("avg_accept_length")
+            t.add_row(r["host"] + (f" ({r['server']} rank {r['node_rank']})" if r.get("server") else ""),
+                      "yes" if r["reachable"] else f"NO: {(r['reason'] or '')[:60]}",
+                      r["release"] or "-", r["patchset"] or "-", str(r["budget"] or "-"), str(r["topk_cap"] or "-"),
+                      ", ".join(d["path"].rsplit("/", 1)[-1] for d in r["drift"]) or "none",
+                      r["active_unit"] or "none", str(r["health"]), f"{acc:.2f}" if acc is not None else "-")
+        Console().print(t)
+        for r in rows:
+            if r["reachable"] and r["reason"]:
+                print(f"{r['host']}: {r['reason']}")
+        return code
+    _guard(body, as_json=as_json)
+
+
+@app.command("bundle")
+def bundle_cmd(
+    patchset: str = typer.Option(DEFAULT_PATCHSET, "--patchset", "-p", help="A name under patches/ or a patch-set folder."),
+    out: str = typer.Option("dist", "--out", help="Folder for <id>.tar.gz."),
+    templates: Optional[str] = typer.Option(None, "--templates", help="Unit templates folder (default: templates/)."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
+):
+    """Build an immutable release bundle (patch set + templates + manifest with every sha256 and a
+    content-derived id). The same inputs give a byte-identical file."""
+    from .bundle import build_bundle
+
+    def body():
+        b = build_bundle(patchset, out, templates)
+        if as_json:
+            _emit_json({"ok": True, "id": b.id, "path": str(b.path), "sha256": b.sha256,
+                        "files": b.manifest["files"], "patchset": b.manifest["patchset"]})
+        else:
+            print(f"{b.path}")
+            _log(f"bundle {b.id}: {len(b.manifest['files'])} files, sha256 {b.sha256}")
     _guard(body, as_json=as_json)
 
 

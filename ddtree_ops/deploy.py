@@ -10,6 +10,8 @@ next `deploy` or `rollback`. Any failure after the first change rolls the host b
 from __future__ import annotations
 
 import hashlib
+import os
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
@@ -29,6 +31,36 @@ Reporter = Callable[[str, str], None]  # (host name, message)
 
 def _quiet(host: str, msg: str) -> None:
     pass
+
+
+# TEST HOOK, off by default: the fault-matrix tests (tests/test_faults.py) kill or interrupt
+# the tool at precise points. With DDTREE_OPS_TEST_PAUSE_AT=<point> and
+# DDTREE_OPS_TEST_PAUSE_FILE=<path> in the environment, the deploy writes "<pid> <point>" to
+# <path> when it reaches <point> and waits until the file is removed. Points: before-backup,
+# after-backup, between-files (the remote agent pauses after the first installed file and
+# writes <path> ON THE HOST), after-unit, wait-for-weights (restarted, weights loading),
+# before-commit (health gate passed). Without both variables nothing happens.
+_TEST_PAUSE_AT = "DDTREE_OPS_TEST_PAUSE_AT"
+_TEST_PAUSE_FILE = "DDTREE_OPS_TEST_PAUSE_FILE"
+
+
+def _test_pause(point: str) -> None:
+    path = os.environ.get(_TEST_PAUSE_FILE)
+    if not path or os.environ.get(_TEST_PAUSE_AT) != point:
+        return
+    with open(path, "w") as fh:
+        fh.write(f"{os.getpid()} {point}\n")
+    deadline = time.monotonic() + 600
+    while os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _test_pause_request() -> dict[str, Any]:
+    """The agent's half of the hook: pause after the first file of the install."""
+    path = os.environ.get(_TEST_PAUSE_FILE)
+    if not path or os.environ.get(_TEST_PAUSE_AT) != "between-files":
+        return {}
+    return {"test_pause": {"after": 1, "file": path}}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -75,6 +107,15 @@ class HostPlan:
         d.pop("unit_old")
         d.pop("unit_new")
         return d
+
+
+_SECRET_FLAG = re.compile(r"(--(?:api-key|admin-api-key|hf-token|token)(?:=|\s+))(\"[^\"]*\"|'[^']*'|\S+)")
+_SECRET_ENV = re.compile(r"((?:[A-Za-z0-9_]*(?:KEY|TOKEN|SECRET|PASSWORD)[A-Za-z0-9_]*)=)([^\"\s]+)")
+
+
+def redact(text: str) -> str:
+    """The unit diff is shown and written to JSON: hide API keys, tokens and passwords in it."""
+    return _SECRET_ENV.sub(r"\1***", _SECRET_FLAG.sub(r"\1***", text))
 
 
 def target_path(host: Host, rel: str) -> str:
@@ -127,7 +168,7 @@ def compute_plan(host: Host, ps: PatchSet, facts: dict[str, Any], unit_new: str,
         host=host.name, patchset=ps.label, patchset_digest=ps.digest(), budget=host.budget,
         topk_cap=host.topk_cap, sglang_version=version, current_release=facts.get("current"),
         files=tuple(files), unit_path=host.unit_path, unit_old=unit_old, unit_new=unit_new,
-        unit_diff=unit_diff(unit_old, unit_new, host.unit_path),
+        unit_diff=redact(unit_diff(unit_old, unit_new, host.unit_path)),
         stop_units=tuple(u for u in host.conflicts if (facts.get("units") or {}).get(u) == "active"),
         restart_unit=host.unit, refusals=tuple(refusals), interrupted=facts.get("journal"),
         lock=facts.get("lock"),
@@ -188,6 +229,8 @@ class DeployOptions:
     command: str = "ddtree-ops deploy"
     deadline_s: float | None = None
     bundle_id: str | None = None
+    # A connection lost during a deploy: keep reconnecting this long to roll the host back.
+    reconnect_s: float = field(default_factory=lambda: float(os.environ.get("DDTREE_OPS_RECONNECT_S", "60")))
     templates_dir: str | None = None  # a verified bundle's templates/ (default: the repo's)
 
 
@@ -244,8 +287,8 @@ class HostDeploy:
                                          f"to restore the previous release.")
                 self.report(h.name, f"FAILED at {failed_step}: {message}; rolling back")
                 try:
-                    self.rollback_release(rid, journal, outcome=f"rolled back ({failed_step})",
-                                          failed_step=failed_step, error=message)
+                    self._reconnecting(opts.reconnect_s, lambda: self.rollback_release(
+                        rid, journal, outcome=f"rolled back ({failed_step})", failed_step=failed_step, error=message))
                 except (StepFailed, RemoteCommandError, UnreachableError) as re:
                     raise RollbackFailed(
                         f"{h.name}: deploy failed at {failed_step} ({message}) and the rollback failed too: {re}. "
@@ -268,6 +311,7 @@ class HostDeploy:
         unit_bytes = self._install_phase(ps, plan, rid, journal, opts)
         pid = self._restart_phase(journal)
         self._journal_step(journal, "wait for weights")
+        _test_pause("wait-for-weights")
         self._wait_and_gate(self.host.unit, pid, opts.deadline_s)
         self._commit_phase(plan, rid, journal, unit_bytes, pid)
 
@@ -280,19 +324,23 @@ class HostDeploy:
         self.store.write_release(rid, id=rid, created=time.time(), patchset=ps.label,
                                  patchset_digest=ps.digest(), bundle=opts.bundle_id, budget=h.budget,
                                  topk_cap=h.topk_cap, previous=plan.current_release, outcome="in progress",
-                                 active_before=journal["active_before"], by=journal["holder"]["user"],
+                                 active_before=journal["active_before"], enabled_before=journal["enabled_before"],
+                                 by=journal["holder"]["user"],
                                  command=opts.command)
         self._journal_step(journal, "backup")
+        _test_pause("before-backup")
         self._guarded("backup", lambda: self.store.call("backup", release_id=rid, paths=paths))
+        _test_pause("after-backup")
 
         self._journal_step(journal, "install")
         files = [{"path": f.path, "content_b64": b64(pf.source.read_bytes()), "sha256": pf.sha256, "mode": pf.mode}
                  for f, pf in zip(plan.files, ps.files)]
-        self._guarded("install", lambda: self.store.call("install", files=files))
+        self._guarded("install", lambda: self.store.call("install", files=files, **_test_pause_request()))
         unit_bytes = plan.unit_new.encode()
         self._guarded("install unit", lambda: self.store.call("install", files=[{
             "path": h.unit_path, "content_b64": b64(unit_bytes),
             "sha256": hashlib.sha256(unit_bytes).hexdigest(), "mode": 0o644}]))
+        _test_pause("after-unit")
         self._guarded("daemon-reload", self.svc.daemon_reload)
 
         self._journal_step(journal, "stop conflicts")
@@ -314,6 +362,7 @@ class HostDeploy:
     def _commit_phase(self, plan: HostPlan, rid: str, journal: dict, unit_bytes: bytes, pid: int | None) -> None:
         h = self.host
         self._journal_step(journal, "commit")
+        _test_pause("before-commit")
         installed = {f.path: f.new_sha256 for f in plan.files}
         installed[h.unit_path] = hashlib.sha256(unit_bytes).hexdigest()
         # The last look: a server that died after the gate must not be committed.
@@ -330,6 +379,26 @@ class HostDeploy:
         journal["step"] = step
         self.store.journal(**journal)
         self._step(step)
+
+    def _reconnecting(self, window_s: float, fn: Callable[[], Any]) -> Any:
+        """Run `fn` (an idempotent rollback); if the SSH connection is lost, reconnect for up to
+        `window_s` seconds and run it again from the start."""
+        deadline = time.monotonic() + window_s
+        while True:
+            try:
+                return fn()
+            except UnreachableError as e:
+                if time.monotonic() >= deadline:
+                    raise
+                self.report(self.host.name, f"connection lost ({e}); reconnecting to roll back")
+            while True:
+                time.sleep(1.0)
+                try:
+                    self.conn.reconnect()
+                    break
+                except UnreachableError as e:
+                    if time.monotonic() >= deadline:
+                        raise UnreachableError(f"{e} (kept retrying for {window_s:g} s)") from None
 
     def _guarded(self, step: str, fn: Callable[[], Any]) -> Any:
         try:
@@ -395,7 +464,12 @@ class HostDeploy:
             if res["refused"]:
                 raise StepFailed("rollback", "backup is corrupted, refusing to restore it: " + "; ".join(res["problems"]))
         self.svc.daemon_reload()
-        self._restore_services(journal.get("active_before") or {}, journal.get("enabled_before") or {})
+        # Failed or interrupted before "stop conflicts": no unit was stopped, restarted, enabled
+        # or disabled, so a server that is still running is left alone (no needless reload of
+        # the weights); it only has to pass the health gate.
+        untouched = journal.get("step") in ("backup", "install")
+        self._restore_services(journal.get("active_before") or {}, journal.get("enabled_before") or {},
+                               untouched=untouched)
         fields = {"outcome": outcome, "rolled_back_at": time.time()}
         if failed_step:
             fields.update(failed_step=failed_step, error=error)
@@ -404,7 +478,8 @@ class HostDeploy:
         self.store.clear_journal()
         self._step("rolled back", f"host back on {journal.get('previous') or 'its pre-ddtree-ops state'}")
 
-    def _restore_services(self, active_before: dict[str, str], enabled_before: dict[str, str]) -> None:
+    def _restore_services(self, active_before: dict[str, str], enabled_before: dict[str, str], *,
+                          untouched: bool = False) -> None:
         h = self.host
         was_active = [u for u, s in active_before.items() if s in ("active", "activating")]
         for u, e in enabled_before.items():
@@ -418,9 +493,13 @@ class HostDeploy:
             if u not in was_active and self.svc.is_active(u) in ("active", "activating", "failed"):
                 self.svc.stop(u)
         for u in was_active:
-            self.svc.restart(u)
-            pid = self.svc.main_pid(u)
-            self._step("rollback: waiting", f"{u} restarted (pid {pid})")
+            pid = self.svc.main_pid(u) if untouched and self.svc.is_active(u) == "active" else None
+            if pid:
+                self._step("rollback: waiting", f"{u} was never stopped (pid {pid}); not restarted")
+            else:
+                self.svc.restart(u)
+                pid = self.svc.main_pid(u)
+                self._step("rollback: waiting", f"{u} restarted (pid {pid})")
             try:
                 took = wait_until_serving(self.conn, h, u, expected_pid=pid)
                 health_gate(h, self.conn, u, expected_pid=pid)

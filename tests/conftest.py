@@ -16,11 +16,12 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parent.parent  # the checkout
 STRICT = os.environ.get("DDTREE_OPS_STRICT") == "1"
 SANDBOX_HOSTS = int(os.environ.get("DDTREE_OPS_TEST_HOSTS", "4"))
 
@@ -209,4 +210,189 @@ def snapshot_paths(th: TestHost, rels: list[str]) -> list[str]:
     return [f"{h.site_packages}/{r}" for r in rels] + [h.unit_path] + [f"/etc/systemd/system/{u}" for u in h.conflicts]
 
 
-__all__ = ["TestHost", "make_patchset", "upstream_file", "run_cli", "snapshot_paths", "copy"]
+# ---------------------------------------------------------------------------------------------
+# fault tests: a cheap "pre-deploy state" check, the tool as a background process, host plumbing
+
+_PRISTINE_SCRIPT = r"""
+import hashlib, json, os, sys
+out = {}
+for root in sys.argv[1:]:
+    for d, dirs, files in os.walk(root):
+        dirs.sort()
+        for n in sorted(files + [x for x in dirs if os.path.islink(os.path.join(d, x))]):
+            p = os.path.join(d, n)
+            st = os.lstat(p)
+            if os.path.islink(p):
+                out[p] = ["link", os.readlink(p)]
+            else:
+                with open(p, "rb") as fh:
+                    out[p] = [oct(st.st_mode & 0o7777), st.st_uid, st.st_gid, hashlib.sha256(fh.read()).hexdigest()]
+mounts = [l.split()[1] for l in open("/proc/mounts") if l.split()[1].startswith(("/var/lib/", "/opt/"))]
+print(json.dumps({"files": out, "mounts": mounts}))
+"""
+_PRISTINE: dict[str, dict] = {}  # host name → the tree right after a full reset
+
+
+def host_tree(th: "TestHost") -> dict:
+    """Mode, owner and sha256 of every file under the unit folder and sglang's speculative/ (plus
+    mounts under /var/lib and /opt): what the fault tests may touch, in one round trip."""
+    h = th.host
+    spec = f"{h.site_packages}/sglang/srt/speculative"
+    r = th.ssh([h.python, "-c", _PRISTINE_SCRIPT, "/etc/systemd/system", spec])
+    return json.loads(r.stdout)
+
+
+def _units_as_before(th: "TestHost") -> bool:
+    h = th.host
+    return th.unit_state(h.conflicts[0]) == "active" and th.unit_state(h.unit) != "active"
+
+
+def _clean(sandbox, name: str) -> TestHost:
+    """`name` in its pre-deploy state, cheaply: when the previous test left it byte-identical to a
+    freshly reset host (files, modes, owners, units, no extra mounts, its own sshd alive, DFlash
+    serving, DDTree stopped) only the state dir is wiped; otherwise a full `reset_host`."""
+    import httpx
+    from ddtree_ops.sandbox import _pid_alive
+
+    th = TestHost(name, sandbox, Path(sandbox.inventory_path))
+    sbh = next(x for x in sandbox.hosts() if x.name == name)
+    ok = False
+    if name in _PRISTINE and _pid_alive(sbh.sshd_pid):
+        try:
+            ok = (host_tree(th) == _PRISTINE[name] and _units_as_before(th)
+                  and httpx.get(th.host.base_url + "/health", timeout=3).status_code == 200)
+        except Exception:
+            ok = False
+    if ok:
+        th.ssh(["rm", "-rf", th.host.state_dir])
+    else:
+        sandbox.reset_host(name)
+        _PRISTINE[name] = host_tree(th)
+    return th
+
+
+@pytest.fixture
+def clean_host(sandbox) -> TestHost:
+    """sbx1 in its pre-deploy state (see `_clean`: a full reset only when it is not)."""
+    return _clean(sandbox, "sbx1")
+
+
+@pytest.fixture
+def clean_hosts(sandbox) -> list[TestHost]:
+    """Every sandbox host in its pre-deploy state (see `_clean`)."""
+    return [_clean(sandbox, h.name) for h in sandbox.hosts()]
+
+
+def in_parallel(scenarios: dict[str, "Callable[[], object]"]) -> dict[str, object]:
+    """Run independent per-host scenarios at once (hosts are separate machines); re-raise the
+    first failure, labelled with its scenario, after all have finished."""
+    import threading
+    import traceback
+
+    results: dict[str, object] = {}
+    errors: dict[str, str] = {}
+
+    def run(name, fn):
+        try:
+            results[name] = fn()
+        except BaseException as e:  # noqa: BLE001 - reported below with its traceback
+            errors[name] = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+
+    threads = [threading.Thread(target=run, args=(n, f), name=n) for n, f in scenarios.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        pytest.fail("\n".join(f"--- scenario {n} failed:\n{tb}" for n, tb in errors.items()), pytrace=False)
+    return results
+
+
+class CliProcess:
+    """`ddtree-ops ARGS` running in the background (own session), output in files."""
+
+    def __init__(self, args: tuple[str, ...], workdir: Path, env: dict | None = None):
+        self.out_path = workdir / f"cli-{os.getpid()}-{id(self)}.out"
+        self.err_path = workdir / f"cli-{os.getpid()}-{id(self)}.err"
+        with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "ddtree_ops", *args], stdout=out, stderr=err,
+                                         stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})},
+                                         start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def wait(self, timeout: float = 300) -> CliResult:
+        code = self.proc.wait(timeout=timeout)
+        return CliResult(code, self.out_path.read_text(), self.err_path.read_text())
+
+    def stderr(self) -> str:
+        return self.err_path.read_text()
+
+    def kill(self) -> None:
+        import signal as _signal
+
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, _signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def start_cli(tmp_path):
+    """Start the CLI in the background; every process started is killed (by PID) at teardown."""
+    started: list[CliProcess] = []
+
+    def start(*args: str, env: dict | None = None) -> CliProcess:
+        p = CliProcess(args, tmp_path, env)
+        started.append(p)
+        return p
+
+    yield start
+    for p in started:
+        p.kill()
+
+
+def wait_for(pred, timeout: float = 60.0, interval: float = 0.05, what: str = "condition"):
+    """Poll `pred` until it returns something true; fail the test after `timeout` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
+
+
+__all__ = ["TestHost", "make_patchset", "upstream_file", "run_cli", "snapshot_paths", "copy", "CliProcess", "host_tree", "in_parallel", "wait_for"]
+
+
+# ---------------------------------------------------------------------------------------------
+# fleet tests: inventories with several per-host overrides, or a multi-node server
+
+
+def write_inventory(sandbox, path: Path, host_vars: dict[str, dict] | None = None,
+                    multinode: list[str] | None = None) -> Path:
+    """A copy of the sandbox inventory with extra vars per host and, optionally, `multinode`
+    hosts (rank 0 first) grouped as the multi-node server `server1`."""
+    from ddtree_ops.sandbox import multinode_inventory
+
+    doc = yaml.safe_load(Path(sandbox.inventory_path).read_text())
+    base_args = list(doc["all"]["vars"]["extra_args"])
+    hosts = doc["all"]["children"]["sandbox"]["hosts"]
+    for name, hv in (host_vars or {}).items():
+        hv = dict(hv)
+        if "extra_args_add" in hv:  # fault knobs on top of the sandbox's own arguments
+            hv["extra_args"] = base_args + list(hv.pop("extra_args_add"))
+        hosts[name] = {**hosts[name], **hv}
+    if multinode:
+        doc = multinode_inventory(doc, multinode)
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path

@@ -1,0 +1,106 @@
+"""How a rollout is shown: a live per-host table on a terminal, plain log lines otherwise.
+
+Both write to stderr only: stdout is reserved for the result (a table, or one JSON document).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+from .fleet import Progress
+
+_STYLE = {"deployed": "green", "unchanged": "green", "rolled_back": "yellow", "reverted": "yellow",
+          "running": "cyan", "queued": "dim", "skipped": "dim"}
+
+
+class PlainProgress(Progress):
+    """`[host] message` lines on stderr (CI logs)."""
+
+    def __init__(self, quiet: bool = False):
+        self.quiet = quiet
+        self._lock = threading.Lock()
+
+    def _w(self, line: str) -> None:
+        if self.quiet:
+            return
+        with self._lock:
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+
+    def event(self, host: str, msg: str) -> None:
+        self._w(f"[{host}] {msg}")
+
+    def note(self, msg: str) -> None:
+        self._w(f"== {msg}")
+
+
+class LiveProgress(Progress):
+    """A rich Live table, one row per host: state, latest step, elapsed time."""
+
+    def __init__(self):
+        from rich.console import Console
+
+        self.console = Console(stderr=True)
+        self.rows: dict[str, dict] = {}
+        self.notes: list[str] = []
+        self._lock = threading.Lock()
+        self._live = None
+
+    def _table(self):
+        from rich.table import Table
+
+        t = Table("host", "state", "step", "elapsed", title=(self.notes[-1] if self.notes else None),
+                  title_justify="left")
+        now = time.monotonic()
+        with self._lock:
+            for name, r in self.rows.items():
+                el = ""
+                if r["t0"] is not None:
+                    el = f"{(r['t1'] or now) - r['t0']:.0f} s"
+                st = r["state"]
+                style = _STYLE.get(st, "red")
+                t.add_row(name, f"[{style}]{st}[/{style}]", r["msg"][-90:], el)
+        return t
+
+    def start(self, hosts, batches) -> None:
+        from rich.live import Live
+
+        with self._lock:
+            for h in hosts:
+                self.rows[h] = {"state": "queued", "msg": "", "t0": None, "t1": None}
+        self._live = Live(get_renderable=self._table, console=self.console, refresh_per_second=4, transient=False)
+        self._live.start()
+
+    def state(self, host: str, state: str) -> None:
+        with self._lock:
+            r = self.rows.setdefault(host, {"state": "queued", "msg": "", "t0": None, "t1": None})
+            if state == "running":
+                r["t0"], r["t1"] = time.monotonic(), None
+            elif state != "queued":
+                r["t1"] = time.monotonic()
+            r["state"] = state
+
+    def event(self, host: str, msg: str) -> None:
+        with self._lock:
+            r = self.rows.setdefault(host, {"state": "running", "msg": "", "t0": time.monotonic(), "t1": None})
+            r["msg"] = msg.splitlines()[0] if msg else ""
+
+    def note(self, msg: str) -> None:
+        with self._lock:
+            self.notes.append(msg)
+        if self._live is not None:
+            self._live.console.log(msg)
+
+    def stop(self) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+
+
+def make_progress(quiet: bool = False) -> Progress:
+    """Live table on a terminal; plain lines otherwise (also with --json: logs stay on stderr)."""
+    if not quiet and sys.stderr.isatty():
+        return LiveProgress()
+    return PlainProgress(quiet=quiet)

@@ -1,0 +1,628 @@
+"""The fault matrix (issue 6): whatever happens during a deploy, every host ends on one whole
+release, old or new, never a mix, and healthy -- or the tool exits 4 and says precisely why.
+
+Real processes only: sandbox hosts (network + mount namespace, sshd, systemctl replacement,
+stand-in SGLang server), the CLI as a subprocess, SIGKILL/SIGINT sent by PID. To stop the tool at
+an exact point the deploy has a test hook (deploy.py, off by default):
+DDTREE_OPS_TEST_PAUSE_AT=<point> + DDTREE_OPS_TEST_PAUSE_FILE=<path> make it write <path> and
+wait there until the file is removed.
+
+Decisions these tests pin down:
+- a run killed with SIGKILL leaves its deploy lock; the next run refuses with exit 5 and names
+  the holder (user@machine, pid, "that process is gone: stale", since, command) and repairs only
+  with `--break-lock`: the tool cannot know that a holder on another machine is dead;
+- `rollback` after an interrupted deploy repairs it (back to the release that was current before)
+  and stops there; `deploy` repairs first, then deploys;
+- an API key lives only in the environment variable named by `api_key_env`; the health gate sends
+  it as a header and nothing prints it. A key written into `extra_args` ends up in the unit (and
+  in `ps`, `systemctl show`): see test_api_key_in_extra_args_is_not_echoed_in_output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import (DFLASH_INFO, _PRISTINE, host_tree, in_parallel, make_patchset, upstream_file,
+                      wait_for)
+from conftest import run_cli as _run_cli
+
+
+def run_cli(*args, **kw):
+    t0 = time.monotonic()
+    r = _run_cli(*args, **kw)
+    if os.environ.get("FAULTS_TIMING"):
+        print(f"\n[{time.monotonic() - t0:6.2f} s] {' '.join(args[:1])} -> {r.code}")
+    return r
+
+DDTREE = "sglang-k26-ddtree.service"
+DFLASH = "sglang-k26-dflash-cg.service"
+DFLASH_UTILS = "sglang/srt/speculative/dflash_utils.py"
+PROBE = "sglang/srt/speculative/ddtree_probe.py"
+BIG = "sglang/srt/speculative/dflash_worker_v2.py"  # 132 kB upstream: fills a small disk
+STATE = "/var/lib/ddtree-ops"
+PAUSE_AT, PAUSE_FILE = "DDTREE_OPS_TEST_PAUSE_AT", "DDTREE_OPS_TEST_PAUSE_FILE"
+
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def three_files(tmp_path: Path, tag: str = "A") -> Path:
+    """Two upstream files replaced (so "between two file replacements" exists) and one added."""
+    return make_patchset(tmp_path, {
+        DFLASH_INFO: upstream_file(DFLASH_INFO) + f"\n# patched {tag}\n".encode(),
+        DFLASH_UTILS: upstream_file(DFLASH_UTILS) + f"\n# patched {tag}\n".encode(),
+        PROBE: f"PROBE = {tag!r}\n".encode(),
+    }, name=f"ps{tag}")
+
+
+def rels_of(ps: Path) -> list[str]:
+    import yaml
+
+    return [f["path"] for f in yaml.safe_load((ps / "manifest.yaml").read_text())["files"]]
+
+
+def healthy(th) -> bool:
+    try:
+        return httpx.get(th.host.base_url + "/health", timeout=3).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def journal(th) -> dict | None:
+    data = th.read(f"{STATE}/journal.json")
+    return json.loads(data) if data else None
+
+
+def current(th) -> str | None:
+    data = th.read(f"{STATE}/current")
+    return data.decode().strip() if data else None
+
+
+def assert_pre_deploy(th) -> None:
+    """Byte-identical to a freshly reset host: every file, mode, owner, unit and enablement link
+    under the unit folder and speculative/ (stale __pycache__ included), DFlash serving, DDTree
+    stopped, no journal, no current release."""
+    tree = host_tree(th)
+    want = _PRISTINE[th.name]
+    diff = {p: (want["files"].get(p), tree["files"].get(p))
+            for p in set(want["files"]) | set(tree["files"]) if want["files"].get(p) != tree["files"].get(p)}
+    assert not diff, f"host differs from its pre-deploy state: {diff}"
+    assert tree["mounts"] == want["mounts"]
+    assert th.unit_state(DFLASH) == "active" and th.unit_state(DDTREE) != "active"
+    assert healthy(th)
+    assert journal(th) is None and current(th) is None
+
+
+def assert_on_release(th, ps: Path) -> None:
+    """Every file of the patch set installed byte for byte, DDTree serving, DFlash stopped."""
+    h = th.host
+    snap = th.snapshot([f"{h.site_packages}/{r}" for r in rels_of(ps)])
+    for rel in rels_of(ps):
+        from conftest import sha256_bytes
+
+        assert snap[f"{h.site_packages}/{rel}"] == sha256_bytes((ps / "files" / rel).read_bytes()), rel
+    assert th.unit_state(DDTREE) == "active" and th.unit_state(DFLASH) != "active"
+    assert healthy(th)
+    assert journal(th) is None
+
+
+def pause_env(point: str, marker: Path) -> dict:
+    return {PAUSE_AT: point, PAUSE_FILE: str(marker)}
+
+
+def wait_paused(proc, marker: Path, timeout: float = 120) -> int:
+    """Wait until the tool (or its remote agent) sits at the pause point; returns the pausing PID."""
+    def there():
+        if proc.proc.poll() is not None:
+            pytest.fail(f"the tool exited ({proc.proc.returncode}) before the pause point:\n{proc.stderr()[-3000:]}")
+        return marker.exists() and marker.read_text().strip()
+    text = wait_for(there, timeout, what=f"pause marker {marker}")
+    return int(text.split()[0])
+
+
+def ctrl_c(proc, marker: Path) -> None:
+    """Ctrl-C at the pause point. The CLI's main thread turns SIGINT into a stop request that the
+    deploying worker honours at its next step boundary (then rolls back); so: signal, wait until
+    the tool has taken note, and only then let the paused deploy go on."""
+    proc.signal(signal.SIGINT)
+    wait_for(lambda: "interrupted" in proc.stderr() or proc.proc.poll() is not None, 60,
+             what="the tool to take note of Ctrl-C")
+    marker.unlink(missing_ok=True)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def deploy_args(th, ps: Path, *extra: str) -> tuple[str, ...]:
+    return ("deploy", "-i", str(th.inventory), "-l", th.name, "-p", str(ps), "--yes", "--json", *extra)
+
+
+def rollback_args(th, *extra: str) -> tuple[str, ...]:
+    return ("rollback", "-i", str(th.inventory), "-l", th.name, "--yes", "--json", *extra)
+
+
+def host_result(r) -> dict:
+    doc = r.json()
+    return doc["hosts"][0] if "hosts" in doc else doc
+
+
+# Where each pause point is in the journal, and what the host looks like there.
+JOURNAL_STEP = {"after-backup": "backup", "between-files": "install", "after-unit": "install",
+                "wait-for-weights": "wait for weights"}
+
+
+def old_bytes(rel: str, prior: Path | None) -> bytes:
+    """What `rel` holds before the deploy under test: the prior release's file, or upstream."""
+    return (prior / "files" / rel).read_bytes() if prior is not None else upstream_file(rel)
+
+
+def check_half_way(th, ps: Path, point: str, prior: Path | None = None) -> None:
+    """Prove the pause really is where its name says (the host is half-deployed there)."""
+    h = th.host
+    new = {rel: (ps / "files" / rel).read_bytes() for rel in rels_of(ps)}
+    if point == "after-backup":
+        assert th.read(f"{h.site_packages}/{DFLASH_INFO}") == old_bytes(DFLASH_INFO, prior)
+    elif point == "between-files":
+        assert th.read(f"{h.site_packages}/{DFLASH_INFO}") == new[DFLASH_INFO]  # replaced
+        assert th.read(f"{h.site_packages}/{DFLASH_UTILS}") == old_bytes(DFLASH_UTILS, prior)  # not yet
+    elif point == "after-unit":
+        assert all(th.read(f"{h.site_packages}/{rel}") == data for rel, data in new.items())
+        assert b"--speculative-ddtree-budget 16" in th.read(h.unit_path)
+        assert th.unit_state(DFLASH) == "active"
+    elif point == "wait-for-weights":
+        assert th.unit_state(DFLASH) != "active"
+        assert th.unit_state(DDTREE) in ("active", "activating")
+        assert not healthy(th)  # weights still loading: no listener yet
+    assert (journal(th) or {}).get("step") == JOURNAL_STEP[point]
+
+
+def slow_load(th, tmp_path, seconds: float = 60):
+    """The same host with a weight load long enough to be killed in the middle of it."""
+    return th.with_vars(tmp_path, extra_args=th.base_extra_args() + [f"--standin-load-seconds={seconds}"])
+
+
+# ---------------------------------------------------------------------------------------------
+# SIGKILL of the tool at four points: the next run finds the journal and repairs
+
+
+def _killed_then_repaired(th, start_cli, tmp: Path, point: str, next_cmd: str, prior: Path | None = None):
+    tmp.mkdir(parents=True, exist_ok=True)
+    before = None
+    if prior is not None:  # a release is current before the deploy that gets killed
+        r = run_cli(*deploy_args(th, prior))
+        assert r.code == 0, r.stderr
+        before = host_result(r)["release"]
+    ps = three_files(tmp, "K")
+    killed_th = slow_load(th, tmp) if point == "wait-for-weights" else th
+    marker = tmp / "pause"
+    p = start_cli(*deploy_args(killed_th, ps), env=pause_env(point, marker))
+    paused_pid = wait_paused(p, marker)
+    check_half_way(th, ps, point, prior)
+    rid = journal(th)["release"]
+
+    p.signal(signal.SIGKILL)
+    assert p.wait(30).code == -signal.SIGKILL
+    if point == "between-files":
+        # The remote agent paused between the two replacements notices that its controller is
+        # gone and exits without touching the second file, as a cut connection leaves it.
+        wait_for(lambda: not pid_alive(paused_pid), 30, what="the orphaned remote agent to exit")
+        assert th.read(f"{th.host.site_packages}/{DFLASH_UTILS}") == old_bytes(DFLASH_UTILS, prior)
+    marker.unlink(missing_ok=True)
+
+    # The killed run's lock is still there: refused (5), naming the dead holder; nothing touched.
+    args = rollback_args(th) if next_cmd == "rollback" else deploy_args(th, ps)
+    r = run_cli(*args)
+    assert r.code == 5, r.stderr
+    msg = host_result(r)["message"]
+    assert f"pid {p.pid} (that process is gone: stale)" in msg and "ddtree-ops deploy" in msg, msg
+    assert "--break-lock" in msg
+    assert journal(th)["release"] == rid
+
+    r = run_cli(*args, "--break-lock")
+    assert r.code == 0, r.stderr
+    res = host_result(r)
+    assert res["repaired"] == rid, res
+    hist = run_cli("history", "--host", th.name, "-i", str(th.inventory), "--json").json()
+    killed = next(x for x in hist["releases"] if x["id"] == rid)
+    assert killed["outcome"] == f"interrupted at {JOURNAL_STEP[point]}, rolled back"
+    assert th.ssh(["test", "-e", f"{STATE}/lock"], check=False).exit_code != 0
+    if next_cmd == "deploy":  # repaired first, then deployed: the new release, whole
+        assert res["outcome"] == "deployed" and res["release"] != rid
+        assert_on_release(th, ps)
+        assert current(th) == res["release"]
+    elif prior is not None:  # back to the release current before the killed deploy, and no further
+        assert current(th) == before and res["release"] == rid
+        assert_on_release(th, prior)
+    else:
+        assert_pre_deploy(th)
+    if current(th):  # leave the host as the next test expects it (also proves `--to original`)
+        r = run_cli(*rollback_args(th, "--to", "original"))
+        assert r.code == 0, r.stderr
+        assert_pre_deploy(th)
+
+
+def test_sigkill_at_each_point_leaves_a_stale_lock_and_the_next_run_repairs(clean_hosts, start_cli, tmp_path):
+    """SIGKILL after the backup, between two file replacements, after the unit write and while
+    the weights load. The next run is refused (exit 5, the dead holder named) until
+    `--break-lock`; then `rollback` or `deploy` finds the journal and repairs by itself. A
+    `rollback` after an interrupted deploy returns to the release current before it and stops."""
+    cases = [("after-backup", "rollback", False), ("between-files", "rollback", True),
+             ("after-unit", "deploy", False), ("wait-for-weights", "rollback", False)]
+    scenarios = {}
+    for i, (point, nxt, prior) in enumerate(cases):
+        th = clean_hosts[i % len(clean_hosts)]
+        tmp = tmp_path / f"{point}"
+        pr = three_files(tmp_path / f"prior-{point}", "P") if prior else None
+        scenarios[f"{point} → {nxt}"] = (lambda th=th, tmp=tmp, point=point, nxt=nxt, pr=pr:
+                                          _killed_then_repaired(th, start_cli, tmp, point, nxt, pr))
+    if len(clean_hosts) >= len(cases):
+        in_parallel(scenarios)
+    else:
+        for fn in scenarios.values():
+            fn()
+
+
+# ---------------------------------------------------------------------------------------------
+# Ctrl-C at the same points: a clean rollback and exit 3
+
+
+def _interrupted(th, start_cli, tmp: Path, point: str):
+    tmp.mkdir(parents=True, exist_ok=True)
+    ps = three_files(tmp, "I")
+    run_th = slow_load(th, tmp) if point == "wait-for-weights" else th
+    marker = tmp / "pause"
+    p = start_cli(*deploy_args(run_th, ps), env=pause_env(point, marker))
+    paused_pid = wait_paused(p, marker)
+    check_half_way(th, ps, point)
+    rid = journal(th)["release"]
+    ctrl_c(p, marker)
+    r = p.wait(180)
+    assert r.code == 3, r.stderr
+    res = host_result(r)
+    assert res["outcome"] == "interrupted" and res["release"] == rid
+    assert res["failed_step"].startswith("interrupted (Ctrl-C) during "), res
+    if point == "between-files":
+        assert not pid_alive(paused_pid)
+    assert_pre_deploy(th)
+    assert th.ssh(["test", "-e", f"{STATE}/lock"], check=False).exit_code != 0  # lock released
+
+
+def test_sigint_at_each_point_rolls_back_cleanly_and_exits_3(clean_hosts, start_cli, tmp_path):
+    points = ["after-backup", "between-files", "after-unit", "wait-for-weights"]
+    scenarios = {pt: (lambda th=clean_hosts[i % len(clean_hosts)], pt=pt: _interrupted(th, start_cli, tmp_path / pt, pt))
+                 for i, pt in enumerate(points)}
+    if len(clean_hosts) >= len(points):
+        in_parallel(scenarios)
+    else:
+        for fn in scenarios.values():
+            fn()
+
+
+# ---------------------------------------------------------------------------------------------
+# two operators at once; host keys; hostile inventory values; quoting
+
+
+def test_two_operators_at_once_one_gets_exit_5_naming_the_other(clean_host, start_cli, tmp_path):
+    th = clean_host
+    ps = three_files(tmp_path)
+    m1, m2 = tmp_path / "pause1", tmp_path / "pause2"
+    p1 = start_cli(*deploy_args(th, ps), env=pause_env("before-backup", m1))
+    p2 = start_cli(*deploy_args(th, ps), env=pause_env("before-backup", m2))
+    # Both race for the lock (mkdir on the host); the winner stops before its backup.
+    loser = wait_for(lambda: next((p for p in (p1, p2) if p.proc.poll() is not None), None), 120,
+                     what="one of the two deploys to give up")
+    winner, marker = (p2, m2) if loser is p1 else (p1, m1)
+    r = loser.wait()
+    assert r.code == 5, r.stderr
+    msg = host_result(r)["message"]
+    assert f"pid {winner.pid} (that process is still running)" in msg, msg
+    assert "running `ddtree-ops deploy" in msg
+    wait_paused(winner, marker)
+    ctrl_c(winner, marker)  # the winner is rolled back: the host is as before
+    assert winner.wait(180).code == 3
+    assert_pre_deploy(th)
+
+
+def test_changed_or_unknown_host_key_is_refused_with_exit_2(clean_host, tmp_path):
+    th = clean_host
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "k")], check=True)
+    pub = (tmp_path / "k.pub").read_text().split()
+    changed = tmp_path / "known_hosts_changed"
+    changed.write_text(f"{th.host.address} {pub[0]} {pub[1]}\n")
+    empty = tmp_path / "known_hosts_empty"
+    empty.write_text("")
+    ps = three_files(tmp_path)
+    for kh, expect in ((changed, "has CHANGED"), (empty, "unknown host key"),
+                       (tmp_path / "missing", "does not exist")):
+        t = th.with_vars(tmp_path, known_hosts=str(kh))
+        extra = ("--accept-new-host-keys",) if kh is changed else ()  # never accepts a changed key
+        r = run_cli(*deploy_args(t, ps, *extra))
+        assert r.code == 2, r.stderr
+        assert expect in host_result(r)["message"], r.stdout
+    assert changed.read_text().count("\n") == 1  # nothing recorded
+    assert th.ssh(["test", "-e", STATE], check=False).exit_code != 0  # never got as far as the host
+
+
+HOSTILE = [
+    ("unit", "sglang;reboot.service"),
+    ("conflicts", ["dflash.service; rm -rf /"]),
+    ("site_packages", "/opt/venv sglang/lib/python3.11/site-packages"),
+    ("state_dir", "/var/lib/../../etc"),
+    ("python", "/opt/venv_sglang/bin/python\n/bin/sh"),
+    ("budget", "16; rm -rf /"),
+    ("topk_cap", "$(reboot)"),
+    ("extra_args", ["--x=$(touch /tmp/pwned)"]),
+    ("environment", {"A": 'x"; rm -rf /'}),
+    ("model_path", "/models/../../etc/shadow"),
+    ("address", "10.0.0.1; rm -rf /"),
+]
+
+
+def test_hostile_inventory_values_are_rejected_with_exit_2_naming_file_host_and_field(sandbox, tmp_path):
+    from conftest import TestHost
+    from ddtree_ops.errors import InventoryError
+    from ddtree_ops.inventory import load_inventory
+
+    th = TestHost("sbx1", sandbox, Path(sandbox.inventory_path))
+    ps = three_files(tmp_path)
+    for i, (field, value) in enumerate(HOSTILE):
+        t = th.with_vars(tmp_path, **{field: value})
+        with pytest.raises(InventoryError) as ei:
+            load_inventory(t.inventory)
+        e = ei.value
+        assert (e.file, e.host, e.field, e.exit_code) == (str(t.inventory), "sbx1", field, 2), (field, str(e))
+        if i % 4 == 0:  # and through the CLI, a few of them (each run costs a second)
+            r = run_cli(*deploy_args(t, ps))
+            assert r.code == 2
+            assert f"{t.inventory}: host 'sbx1': field '{field}'" in r.json()["message"], r.stdout
+
+
+def test_remote_commands_quote_every_value(clean_host, tmp_path):
+    """Values full of shell syntax reach the host verbatim and nothing in them runs; and every
+    command line the tool sends (here: plan, unit state, probe, lock, history with a unit name
+    and a conflict that validation (and the unit renderer) would refuse) is a fully quoted argv."""
+    import dataclasses
+    import shlex
+
+    from ddtree_ops.deploy import read_host
+    from ddtree_ops.health import probe_unit
+    from ddtree_ops.patchset import load_patchset
+    from ddtree_ops.release_store import ReleaseStore
+    from ddtree_ops.services import Services
+    from ddtree_ops.transport import HostConnection, connect, shell_join
+
+    th = clean_host
+    mark = tmp_path / "pwned"  # /tmp is the same folder inside the sandbox host
+    values = [f"a;touch {mark}1", f"$(touch {mark}2)", f"`touch {mark}3`", f"x && touch {mark}4",
+              f"| touch {mark}5", "it's", 'say "hi"', "two  spaces", "new\nline", "*", "~", "$HOME",
+              "\\", "-n", "--", "", "ünï"]
+    with connect(th.host) as conn:
+        out = conn.run(["printf", "%s\\0", *values]).stdout
+    assert out.split("\0")[:-1] == values
+
+    hostile = dataclasses.replace(th.host, unit=f"evil;touch {mark}6.service",
+                                  conflicts=(f"$(touch {mark}7).service",))
+    sent: list[str] = []
+    real = HostConnection.run_shell
+
+    def recording(self, command, **kw):
+        sent.append(command)
+        return real(self, command, **kw)
+
+    HostConnection.run_shell = recording
+    try:
+        with connect(hostile) as conn:
+            facts = read_host(conn, hostile, load_patchset(str(three_files(tmp_path))))
+            Services(conn).state(hostile.unit)
+            probe_unit(conn, hostile.conflicts[0])
+            store = ReleaseStore(conn, hostile)
+            store.release_lock(store.acquire_lock("quoting test"))
+            store.history()
+    finally:
+        HostConnection.run_shell = real
+    assert set(facts["units"].values()) <= {"unknown", "inactive"}  # names arrived whole: unknown units
+    assert len(sent) >= 8
+    for cmd in sent:
+        for piece in cmd.split("; "):  # probe_unit sends several quoted commands in one line
+            assert shell_join(shlex.split(piece)) == piece, f"not a quoted argv: {piece!r}"
+    assert not list(tmp_path.glob("pwned*")), "a value was executed by a shell"
+
+
+# ---------------------------------------------------------------------------------------------
+# a full disk during backup and during install
+
+
+FILL = ('f="$1/zz-filler"; dd if=/dev/zero of="$f" bs=4k 2>/dev/null || true; '
+        's=$(stat -c %s "$f"); truncate -s $((s > $2 ? s - $2 : 0)) "$f"')
+
+
+def _disk_full_during_backup(th, start_cli, tmp: Path):
+    tmp.mkdir(parents=True, exist_ok=True)
+    ps = make_patchset(tmp, {BIG: upstream_file(BIG) + b"\n# big\n", PROBE: b"P = 1\n"}, name="big")
+    th.ssh(["sh", "-c", f"mkdir -p {STATE} && mount -t tmpfs -o size=1m,mode=0700 ddtree-full {STATE}"])
+    try:
+        # Too little room for the backup up front: refused in preflight, nothing changed.
+        r = run_cli(*deploy_args(th, ps))
+        assert r.code == 2, r.stderr
+        assert "not enough disk for state_dir" in host_result(r)["message"]
+        # Room at preflight, gone by the backup (someone filled the disk meanwhile).
+        t = th.with_vars(tmp, min_free_mb=0)
+        marker = tmp / "pause"
+        p = start_cli(*deploy_args(t, ps), env=pause_env("before-backup", marker))
+        wait_paused(p, marker)
+        th.ssh(["sh", "-c", FILL, "sh", STATE, str(48 * 1024)])  # 48 kB left; the backup needs 134
+        marker.unlink()
+        r = p.wait(180)
+        assert r.code == 3, r.stderr
+        res = host_result(r)
+        assert res["failed_step"] == "backup" and "No space left on device" in res["message"], res
+        assert not any("restarted" in s.get("detail", "") for s in res["steps"])  # DFlash left alone
+        assert th.ssh(["sh", "-c", f"ls {STATE}/releases/*/backup* 2>/dev/null | wc -l"]).stdout.strip() == "0"
+    finally:
+        th.ssh(["umount", "-l", STATE], check=False)
+    assert_pre_deploy(th)
+
+
+def _disk_full_during_install(th, start_cli, tmp: Path):
+    tmp.mkdir(parents=True, exist_ok=True)
+    # The small new module first, then the 132 kB replacement that no longer fits.
+    ps = make_patchset(tmp, {PROBE: b"P = 1\n", BIG: upstream_file(BIG) + b"\n# big\n"}, name="big")
+    spec = f"{th.host.site_packages}/sglang/srt/speculative"
+    th.ssh(["sh", "-c", 'set -e; t=$(mktemp -d /run/ddt-copy.XXXXXX); cp -a "$1/." "$t/"; '
+            'mount -t tmpfs -o size=3m ddtree-full "$1"; cp -a "$t/." "$1/"; rm -rf "$t"', "sh", spec])
+    try:
+        marker = tmp / "pause"
+        p = start_cli(*deploy_args(th, ps), env=pause_env("after-backup", marker))
+        wait_paused(p, marker)
+        th.ssh(["sh", "-c", FILL, "sh", spec, str(64 * 1024)])
+        th.ssh(["rm", "-f", f"{spec}/zz-filler"]) if False else None
+        marker.unlink()
+        r = p.wait(180)
+        assert r.code == 3, r.stderr
+        res = host_result(r)
+        assert res["failed_step"] == "install" and "No space left on device" in res["message"], res
+        # Restored on the full disk itself: the added module removed, the big file never
+        # replaced (and not rewritten: there is no room for a temp copy).
+        tree = host_tree(th)["files"]
+        want = _PRISTINE[th.name]["files"]
+        assert {p: v for p, v in tree.items() if "zz-filler" not in p} == want
+    finally:
+        th.ssh(["umount", "-l", spec], check=False)
+    assert_pre_deploy(th)
+
+
+def test_disk_full_during_backup_or_install_is_refused_or_restored(clean_hosts, start_cli, tmp_path):
+    scenarios = {
+        "backup": lambda: _disk_full_during_backup(clean_hosts[0], start_cli, tmp_path / "backup"),
+        "install": lambda: _disk_full_during_install(clean_hosts[-1], start_cli, tmp_path / "install"),
+    }
+    if len(clean_hosts) >= 2:
+        in_parallel(scenarios)
+    else:
+        for fn in scenarios.values():
+            fn()
+
+
+# ---------------------------------------------------------------------------------------------
+# health that lies: flapping /health, a server that dies after the gate
+
+
+def _flapping(th, tmp: Path):
+    tmp.mkdir(parents=True, exist_ok=True)
+    t = th.with_vars(tmp, extra_args=th.base_extra_args() + ["--standin-health-flaps"])
+    r = run_cli(*deploy_args(t, three_files(tmp, "F")))
+    assert r.code == 3, r.stderr
+    res = host_result(r)
+    assert "after 1 consecutive 200s (flapping or unhealthy)" in res["message"], res
+    assert_pre_deploy(th)
+
+
+def _dies_before_commit(th, start_cli, tmp: Path):
+    tmp.mkdir(parents=True, exist_ok=True)
+    marker = tmp / "pause"
+    p = start_cli(*deploy_args(th, three_files(tmp, "D")), env=pause_env("before-commit", marker))
+    wait_paused(p, marker)
+    pid = th.main_pid(DDTREE)
+    assert pid and healthy(th)  # declared healthy by the gate
+    th.ssh(["kill", "-9", str(pid)])
+    wait_for(lambda: th.main_pid(DDTREE) != pid or th.unit_state(DDTREE) != "active", 60,
+             what="the server to be gone")
+    marker.unlink()
+    r = p.wait(180)
+    assert r.code == 3, r.stderr
+    res = host_result(r)
+    assert res["failed_step"] == "commit" and "died after passing the health gate" in res["message"], res
+    assert_pre_deploy(th)
+
+
+def test_flapping_health_and_a_death_after_the_gate_roll_back(clean_hosts, start_cli, tmp_path):
+    """/health 200, 503, 200, ...: the gate wants consecutive successes, so the deploy rolls back.
+    A server that dies after it was declared healthy but before commit: rolled back too."""
+    scenarios = {
+        "flapping": lambda: _flapping(clean_hosts[0], tmp_path / "flap"),
+        "dies before commit": lambda: _dies_before_commit(clean_hosts[-1], start_cli, tmp_path / "dies"),
+    }
+    if len(clean_hosts) >= 2:
+        in_parallel(scenarios)
+    else:
+        for fn in scenarios.values():
+            fn()
+
+
+# ---------------------------------------------------------------------------------------------
+# backups: private, restored with mode and owner, refused when corrupted; no secrets printed
+
+
+def test_private_backups_restored_mode_and_owner_corrupted_backup_refused_no_secret_printed(
+        clean_host, tmp_path):
+    th = clean_host
+    secret = "sk-ddtree-faults-" + os.urandom(6).hex()
+    t = th.with_vars(tmp_path, api_key_env="DDTREE_FAULTS_API_KEY",
+                     extra_args=th.base_extra_args() + [f"--api-key={secret}"])
+    env = {"DDTREE_FAULTS_API_KEY": secret}
+    key_body = "".join(Path(th.host.identity_file).read_text().splitlines()[1:-1])
+    outputs = []
+
+    def cli(*args, code=0):
+        r = run_cli(*args, env=env)
+        outputs.append(r.stdout + r.stderr)
+        assert r.code == code, r.stdout + r.stderr
+        return r
+
+    h = t.host
+    target = f"{h.site_packages}/{DFLASH_INFO}"
+    t.ssh(["sh", "-c", 'chown 1234:2345 "$1" && chmod 0640 "$1"', "sh", target])
+    ps = three_files(tmp_path, "S")
+    cli("plan", "-i", str(t.inventory), "-l", t.name, "-p", str(ps), "--json")
+    cli("plan", "-i", str(t.inventory), "-l", t.name, "-p", str(ps))
+    rel = host_result(cli(*deploy_args(t, ps)))["release"]
+    # The server really wants the key: the gate passed because it sent it as a header.
+    assert httpx.post(h.base_url + "/generate", json={"text": "x"}, timeout=10).status_code == 401
+
+    # The state dir, its releases and backups: owner only.
+    loose = t.ssh(["find", STATE, "-perm", "/077"]).stdout.split()
+    assert not loose, f"readable by others: {loose}"
+    assert t.ssh(["stat", "-c", "%a", STATE]).stdout.strip() == "700"
+    # The replaced file kept its owner; the backup holds the original bytes.
+    assert t.ssh(["stat", "-c", "%u:%g", target]).stdout.strip() == "1234:2345"
+
+    # Corrupt the backup copy of dflash_info.py: rollback refuses and says which file (exit 4).
+    manifest = json.loads(t.read(f"{STATE}/releases/{rel}/backup/manifest.json"))
+    entry = next(e for e in manifest["entries"] if e["path"] == target)
+    stored = f"{STATE}/releases/{rel}/backup/{entry['stored']}"
+    good = t.read(stored)
+    t.ssh(["sh", "-c", 'printf "tampered" >> "$1"', "sh", stored])
+    r = cli(*rollback_args(t), code=4)
+    msg = host_result(r)["message"]
+    assert "corrupted, refusing to restore it" in msg and target in msg and entry["sha256"][:12] in msg, msg
+    assert_on_release(t, ps)  # nothing was touched
+    # Repair the backup: the rollback restores bytes, mode and owner.
+    t.ssh(["sh", "-c", 'base64 -d > "$1"', "sh", stored], stdin=__import__("base64").b64encode(good).decode())
+    cli(*rollback_args(t))
+    assert t.read(target) == upstream_file(DFLASH_INFO)
+    assert t.ssh(["stat", "-c", "%a %u:%g", target]).stdout.strip() == "640 1234:2345"
+    t.ssh(["sh", "-c", 'chown 0:0 "$1" && chmod 0644 "$1"', "sh", target])
+    assert_pre_deploy(th)
+
+    # Nothing printed -- logs, tables, JSON -- holds the API key or the SSH private key.
+    state = t.ssh(["sh", "-c", f"grep -rl -- {secret} {STATE} || true"]).stdout.split()
+    for out in outputs:
+        assert secret not in out
+        assert key_body[:40] not in out
+    assert "--api-key=***" in outputs[0]  # the unit diff shows that a key is set, not the key
+    assert not state, f"the API key is stored in {state}"

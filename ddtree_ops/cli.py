@@ -128,7 +128,8 @@ def _print_sandbox(rows: list[dict]) -> None:
 # ---------------------------------------------------------------------------------------------
 # render / plan / deploy / rollback / history
 
-INVENTORY_OPT = typer.Option("inventory/ct200.yaml", "--inventory", "-i", help="Inventory file.")
+INVENTORY_OPT = typer.Option(..., "--inventory", "-i", envvar="DDTREE_OPS_INVENTORY",
+                              help="Inventory file (or $DDTREE_OPS_INVENTORY). No default: name production explicitly.")
 LIMIT_OPT = typer.Option(None, "--limit", "-l", help="Host names, group names or globs, comma-separated.")
 DEFAULT_PATCHSET = "ddtree-temp"
 PATCHSET_OPT = typer.Option(None, "--patchset", "-p",

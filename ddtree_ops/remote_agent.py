@@ -250,7 +250,8 @@ def op_backup(req):
     ensure_private_dir(os.path.join(state, "releases"))
     ensure_private_dir(rdir)
     shutil.rmtree(partial, ignore_errors=True)
-    os.makedirs(os.path.join(partial, "files"), mode=0o700)
+    ensure_private_dir(partial)  # makedirs' mode= applies to the leaf only
+    ensure_private_dir(os.path.join(partial, "files"))
     entries = []
     for i, item in enumerate(req["paths"]):
         path = item["path"]

@@ -109,7 +109,8 @@ class HostPlan:
         return d
 
 
-_SECRET_FLAG = re.compile(r"(--(?:api-key|admin-api-key|hf-token|token)(?:=|\s+))(\"[^\"]*\"|'[^']*'|\S+)")
+# A `${VAR}` reference (the key comes from environment_file) is not a secret and stays readable.
+_SECRET_FLAG = re.compile(r"(--(?:api-key|admin-api-key|hf-token|token)(?:=|\s+))(?!\$\{)(\"[^\"]*\"|'[^']*'|\S+)")
 _SECRET_ENV = re.compile(r"((?:[A-Za-z0-9_]*(?:KEY|TOKEN|SECRET|PASSWORD)[A-Za-z0-9_]*)=)([^\"\s]+)")
 
 

@@ -45,6 +45,8 @@ _USER_RE = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Launch arguments travel into a systemd ExecStart= line; we allow what flags and paths need.
 _ARG_RE = re.compile(r"^[A-Za-z0-9_./:=,@+%-]+$")
+# Flags whose value is a secret: never in a unit's ExecStart (see environment_file).
+_SECRET_FLAGS = {"--api-key", "--admin-api-key"}
 _MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 _URL_RE = re.compile(r"^https?://[A-Za-z0-9.\-\[\]:]+(:[0-9]{1,5})?(/[A-Za-z0-9._~/-]*)?$")
 
@@ -98,6 +100,7 @@ class Host:
     keep_releases: int
     min_free_mb: int
     api_key_env: str | None
+    environment_file: str | None
     health: HealthSettings
     groups: tuple[str, ...] = ()
     source: str = ""
@@ -197,6 +200,7 @@ DEFAULTS: dict[str, Any] = {
     "keep_releases": 5,
     "min_free_mb": 64,
     "api_key_env": None,
+    "environment_file": None,
     "health": {},
     # multi-node servers (see _resolve_servers)
     "multinode": False,
@@ -539,6 +543,10 @@ def _build_host(fname: str, hname: str, v: dict, groups: tuple[str, ...]) -> Hos
         a = str(a)
         if not _ARG_RE.match(a):
             c.fail("extra_args", f"argument {a!r} has characters outside [A-Za-z0-9_./:=,@+%-]")
+        if a.split("=", 1)[0] in _SECRET_FLAGS:
+            c.fail("extra_args", f"{a.split('=', 1)[0]} must not be in extra_args: it would land in the unit file, "
+                                 f"`systemctl show` and the process list. Put KEY=value in the file named by "
+                                 f"environment_file (mode 0600) and name the variable with api_key_env")
         extra_args.append(a)
 
     env = v.get("environment") or {}
@@ -566,6 +574,7 @@ def _build_host(fname: str, hname: str, v: dict, groups: tuple[str, ...]) -> Hos
     api_key_env = v.get("api_key_env")
     if api_key_env is not None and (not isinstance(api_key_env, str) or not _ENV_NAME_RE.match(api_key_env)):
         c.fail("api_key_env", "must name an environment variable that holds the API key")
+    environment_file = c.abs_path("environment_file", required=False)
 
     health_raw = v.get("health") or {}
     if not isinstance(health_raw, dict):
@@ -607,7 +616,7 @@ def _build_host(fname: str, hname: str, v: dict, groups: tuple[str, ...]) -> Hos
         launch_module=launch_module, model_path=model_path, draft_model_path=draft, tp=tp,
         budget=budget, topk_cap=topk_cap, extra_args=tuple(extra_args),
         environment=tuple(environment), service_user=service_user, template=template,
-        keep_releases=keep, min_free_mb=min_free, api_key_env=api_key_env, health=health,
+        keep_releases=keep, min_free_mb=min_free, api_key_env=api_key_env, environment_file=environment_file, health=health,
         groups=groups, source=fname,
     )
 

@@ -13,9 +13,10 @@ Decisions these tests pin down:
   with `--break-lock`: the tool cannot know that a holder on another machine is dead;
 - `rollback` after an interrupted deploy repairs it (back to the release that was current before)
   and stops there; `deploy` repairs first, then deploys;
-- an API key lives only in the environment variable named by `api_key_env`; the health gate sends
-  it as a header and nothing prints it. A key written into `extra_args` ends up in the unit (and
-  in `ps`, `systemctl show`): see test_api_key_in_extra_args_is_not_echoed_in_output.
+- an API key lives in a 0600 environment file on the host (`environment_file`) and, on the
+  operator's side, in the environment variable named by `api_key_env`; the unit only says
+  `--api-key ${NAME}`, the health gate sends the key as a header and nothing prints it. A key in
+  `extra_args` is refused by inventory validation (it would land in the unit and `ps`).
 """
 
 from __future__ import annotations
@@ -564,8 +565,11 @@ def test_private_backups_restored_mode_and_owner_corrupted_backup_refused_no_sec
         clean_host, tmp_path):
     th = clean_host
     secret = "sk-ddtree-faults-" + os.urandom(6).hex()
+    # The key lives in a 0600 environment file on the host; the unit only names the variable.
+    th.ssh(["sh", "-c", 'umask 077; mkdir -p /var/lib/sglang-secrets; cat > /var/lib/sglang-secrets/api.env'],
+           stdin=f"DDTREE_FAULTS_API_KEY={secret}\n")
     t = th.with_vars(tmp_path, api_key_env="DDTREE_FAULTS_API_KEY",
-                     extra_args=th.base_extra_args() + [f"--api-key={secret}"])
+                     environment_file="/var/lib/sglang-secrets/api.env")
     env = {"DDTREE_FAULTS_API_KEY": secret}
     key_body = "".join(Path(th.host.identity_file).read_text().splitlines()[1:-1])
     outputs = []
@@ -616,7 +620,9 @@ def test_private_backups_restored_mode_and_owner_corrupted_backup_refused_no_sec
     for out in outputs:
         assert secret not in out
         assert key_body[:40] not in out
-    assert "--api-key=***" in outputs[0]  # the unit diff shows that a key is set, not the key
+    assert "--api-key ${DDTREE_FAULTS_API_KEY}" in outputs[0]  # the unit names the variable, not the key
+    unit = t.read(h.unit_path).decode() if t.read(h.unit_path) else ""
+    assert secret not in unit
     assert not state, f"the API key is stored in {state}"
 
 

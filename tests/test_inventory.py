@@ -120,3 +120,9 @@ def test_sandbox_inventory_shape_round_trips_through_yaml(tmp_path):
     p = tmp_path / "i.yaml"
     p.write_text(yaml.safe_dump(doc))
     assert load_inventory(p).host("h1").address == "10.200.1.2"
+
+
+def test_an_api_key_in_extra_args_is_refused_with_the_way_to_do_it():
+    with pytest.raises(InventoryError, match="must not be in extra_args.*environment_file") as e:
+        inv({"ct": {"address": "10.0.0.1", "extra_args": ["--api-key=sk-123"]}})
+    assert e.value.field == "extra_args"

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from conftest import DFLASH_INFO, REPO, make_patchset, run_cli, snapshot_paths, upstream_file
+from kit import DFLASH_INFO, REPO, make_patchset, run_cli, snapshot_paths, upstream_file
 from ddtree_ops.units import parse_exec_flags
 
 DDTREE = "sglang-k26-ddtree.service"

@@ -31,9 +31,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import (DFLASH_INFO, _PRISTINE, host_tree, in_parallel, make_patchset, upstream_file,
+from kit import (DFLASH_INFO, _PRISTINE, host_tree, in_parallel, make_patchset, upstream_file,
                       wait_for)
-from conftest import run_cli
+from kit import run_cli
 
 DDTREE = "sglang-k26-ddtree.service"
 DFLASH = "sglang-k26-dflash-cg.service"
@@ -101,7 +101,7 @@ def assert_on_release(th, ps: Path) -> None:
     h = th.host
     snap = th.snapshot([f"{h.site_packages}/{r}" for r in rels_of(ps)])
     for rel in rels_of(ps):
-        from conftest import sha256_bytes
+        from kit import sha256_bytes
 
         assert snap[f"{h.site_packages}/{rel}"] == sha256_bytes((ps / "files" / rel).read_bytes()), rel
     assert th.unit_state(DDTREE) == "active" and th.unit_state(DFLASH) != "active"
@@ -367,7 +367,7 @@ HOSTILE = [
 
 
 def test_hostile_inventory_values_are_rejected_with_exit_2_naming_file_host_and_field(sandbox, tmp_path):
-    from conftest import TestHost
+    from kit import TestHost
     from ddtree_ops.errors import InventoryError
     from ddtree_ops.inventory import load_inventory
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import (DFLASH_INFO, TestHost, make_patchset, run_cli, snapshot_paths, upstream_file,
+from kit import (DFLASH_INFO, TestHost, make_patchset, run_cli, snapshot_paths, upstream_file,
                       write_inventory)
 from ddtree_ops.errors import BundleError, InputError, InventoryError
 from ddtree_ops.fleet import (Target, batch_size, budget_exceeded, make_targets, parse_percent,

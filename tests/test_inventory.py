@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from conftest import REPO
+from kit import REPO
 from ddtree_ops.errors import InputError, InventoryError
 from ddtree_ops.inventory import load_inventory, parse_inventory, with_overrides
 

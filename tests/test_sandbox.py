@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from conftest import run_cli
+from kit import run_cli
 from ddtree_ops.errors import HostKeyError
 from ddtree_ops.inventory import load_inventory
 from ddtree_ops.transport import connect

@@ -180,8 +180,7 @@ def read_host(conn: HostConnection, host: Host, ps: PatchSet) -> dict[str, Any]:
     """Everything the plan needs, read in two round trips."""
     store = ReleaseStore(conn, host)
     facts = store.facts([target_path(host, pf.path) for pf in ps.files])
-    svc = Services(conn)
-    facts["units"] = {u: svc.is_active(u) for u in (host.unit, *host.conflicts)}
+    facts["units"] = {u: s.active for u, s in Services(conn).states((host.unit, *host.conflicts)).items()}
     return facts
 
 
@@ -262,8 +261,9 @@ class HostDeploy:
             refusals += self._verify_unit(plan.unit_new)
             if refusals:
                 raise PreflightError(h.name, "preflight refused; nothing was changed:\n  - " + "\n  - ".join(refusals))
-            active_before = {u: self.svc.is_active(u) for u in (h.unit, *h.conflicts)}
-            enabled_before = {u: self.svc.state(u).enabled for u in (h.unit, *h.conflicts)}
+            states = self.svc.states((h.unit, *h.conflicts))
+            active_before = {u: s.active for u, s in states.items()}
+            enabled_before = {u: s.enabled for u, s in states.items()}
             if not plan.changes and active_before.get(h.unit) == "active":
                 self._step("unchanged", "files and unit already as asked; nothing to do")
                 return HostResult(h.name, "unchanged", 0, release=plan.current_release, steps=self.steps,
@@ -481,32 +481,39 @@ class HostDeploy:
 
     def _restore_services(self, active_before: dict[str, str], enabled_before: dict[str, str], *,
                           untouched: bool = False) -> None:
+        """Units enabled and running as they were before the release; `untouched`: the deploy
+        stopped before it stopped anything, so what still runs is not restarted, only gated."""
         h = self.host
         was_active = [u for u, s in active_before.items() if s in ("active", "activating")]
+        now = self.svc.states((h.unit, *h.conflicts))
         for u, e in enabled_before.items():
-            now = self.svc.state(u).enabled
-            if e == "enabled" and now != "enabled":
+            if e == "enabled" and now[u].enabled != "enabled":
                 self.svc.enable(u)
-            elif e != "enabled" and now == "enabled":
+            elif e != "enabled" and now[u].enabled == "enabled":
                 self.svc.disable(u)
         # Stop what was not running before, first: the units conflict on the port.
         for u in (h.unit, *h.conflicts):
-            if u not in was_active and self.svc.is_active(u) in ("active", "activating", "failed"):
+            if u not in was_active and now[u].active in ("active", "activating", "failed"):
                 self.svc.stop(u)
         for u in was_active:
-            pid = self.svc.main_pid(u) if untouched and self.svc.is_active(u) == "active" else None
-            if pid:
-                self._step("rollback: waiting", f"{u} was never stopped (pid {pid}); not restarted")
-            else:
-                self.svc.restart(u)
-                pid = self.svc.main_pid(u)
-                self._step("rollback: waiting", f"{u} restarted (pid {pid})")
-            try:
-                took = wait_until_serving(self.conn, h, u, expected_pid=pid)
-                health_gate(h, self.conn, u, expected_pid=pid)
-            except HealthFailure as e:
-                raise StepFailed("rollback health", f"{u} is not healthy after the rollback: {e}", e.log) from None
-            self._step("rollback: healthy", f"{u} serving after {took:.1f} s")
+            pid = now[u].main_pid if untouched and now[u].active == "active" else None
+            self._bring_back(u, pid)
+
+    def _bring_back(self, unit: str, running_pid: int | None) -> None:
+        """Restart `unit` (unless it kept running as `running_pid`) and wait until it is healthy."""
+        pid = running_pid
+        if pid:
+            self._step("rollback: waiting", f"{unit} was never stopped (pid {pid}); not restarted")
+        else:
+            self.svc.restart(unit)
+            pid = self.svc.main_pid(unit)
+            self._step("rollback: waiting", f"{unit} restarted (pid {pid})")
+        try:
+            took = wait_until_serving(self.conn, self.host, unit, expected_pid=pid)
+            health_gate(self.host, self.conn, unit, expected_pid=pid)
+        except HealthFailure as e:
+            raise StepFailed("rollback health", f"{unit} is not healthy after the rollback: {e}", e.log) from None
+        self._step("rollback: healthy", f"{unit} serving after {took:.1f} s")
 
     def repair_interrupted(self) -> str | None:
         """A journal means a deploy was interrupted: roll its release back before anything else."""

@@ -32,26 +32,16 @@ from .transport import HostConnection
 class NodeDeploy(HostDeploy):
     """A node of a multi-node server: rank >= 1 nodes are restarted without a health gate."""
 
-    def _restore_services(self, active_before: dict[str, str], enabled_before: dict[str, str]) -> None:
+    def _bring_back(self, unit: str, running_pid: int | None) -> None:
         if self.host.node_rank == 0:
-            return super()._restore_services(active_before, enabled_before)
-        h = self.host
-        was_active = [u for u, s in active_before.items() if s in ("active", "activating")]
-        for u, e in enabled_before.items():
-            now = self.svc.state(u).enabled
-            if e == "enabled" and now != "enabled":
-                self.svc.enable(u)
-            elif e != "enabled" and now == "enabled":
-                self.svc.disable(u)
-        for u in (h.unit, *h.conflicts):
-            if u not in was_active and self.svc.is_active(u) in ("active", "activating", "failed"):
-                self.svc.stop(u)
-        for u in was_active:
-            self.svc.restart(u)
-            p = probe_unit(self.conn, u, lines=10)
-            if p.active not in ("active", "activating"):
-                raise StepFailed("rollback health", f"{u} is {p.active} after the rollback (rank {h.node_rank})", p.log)
-            self._step("rollback: restarted", f"{u} (rank {h.node_rank}; node 0 is health-checked)")
+            return super()._bring_back(unit, running_pid)
+        # Ranks >= 1 answer 200 on /health regardless: node 0's gate speaks for the server.
+        if not running_pid:
+            self.svc.restart(unit)
+        p = probe_unit(self.conn, unit, lines=10)
+        if p.active not in ("active", "activating"):
+            raise StepFailed("rollback health", f"{unit} is {p.active} after the rollback (rank {self.host.node_rank})", p.log)
+        self._step("rollback: restarted", f"{unit} (rank {self.host.node_rank}; node 0 is health-checked)")
 
 
 def _close_all(nodes: list[NodeDeploy]) -> None:
@@ -121,8 +111,9 @@ def deploy_server(target, ps, opts: DeployOptions, *, accept_new_host_keys: bool
 
 
 def _deploy_nodes(target, nodes: list[NodeDeploy], plans, ps, opts: DeployOptions, locks, t0: float) -> list[HostResult]:
-    active_before = {n.host.name: {u: n.svc.is_active(u) for u in (n.host.unit, *n.host.conflicts)} for n in nodes}
-    enabled_before = {n.host.name: {u: n.svc.state(u).enabled for u in (n.host.unit, *n.host.conflicts)} for n in nodes}
+    states = {n.host.name: n.svc.states((n.host.unit, *n.host.conflicts)) for n in nodes}
+    active_before = {name: {u: s.active for u, s in st.items()} for name, st in states.items()}
+    enabled_before = {name: {u: s.enabled for u, s in st.items()} for name, st in states.items()}
     if not any(p.changes for p in plans) and all(active_before[n.host.name].get(n.host.unit) == "active" for n in nodes):
         for n in nodes:
             n._step("unchanged", "files and unit already as asked")

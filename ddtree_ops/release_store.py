@@ -21,6 +21,7 @@ from typing import Any
 from . import remote_agent
 from .errors import LockHeldError, RemoteCommandError
 from .inventory import Host
+from .localproc import pid_alive
 from .transport import HostConnection
 
 _AGENT_SOURCE = Path(remote_agent.__file__).read_text()
@@ -118,17 +119,10 @@ def describe_holder(h: dict[str, Any]) -> str:
     age = time.time() - float(h.get("since", time.time()))
     alive = ""
     if h.get("machine") == socket.gethostname() and h.get("pid"):
-        alive = " (that process is still running)" if _pid_alive(int(h["pid"])) else " (that process is gone: stale)"
+        alive = " (that process is still running)" if pid_alive(int(h["pid"])) else " (that process is gone: stale)"
     return (f"{h['user']}@{h.get('machine')} pid {h.get('pid')}{alive}, since {h.get('since_utc')} "
             f"({age:.0f} s ago), running `{h.get('command')}`")
 
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def _whoami() -> str:

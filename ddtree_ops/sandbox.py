@@ -41,6 +41,7 @@ import yaml
 
 from .errors import SandboxError
 from .inventory import Host, load_inventory
+from .localproc import pid_alive
 
 SGLANG_VERSION = "0.5.23"
 VENV_PATH = "/opt/venv_sglang"
@@ -456,7 +457,7 @@ class Sandbox:
                 "identity_file": host.identity_file, "known_hosts": host.known_hosts,
                 "site_packages": host.site_packages, "unit": host.unit, "conflicts": list(host.conflicts),
                 "base_url": host.base_url, "netns": h.netns,
-                "sshd_up": _pid_alive(h.sshd_pid) and _port_open(host.address, host.ssh_port, 0.5),
+                "sshd_up": pid_alive(h.sshd_pid) and _port_open(host.address, host.ssh_port, 0.5),
                 "ssh_ok": False, "units": {}, "active_unit": None, "health": None, "health_up": False,
             }
             try:
@@ -582,15 +583,6 @@ def _port_open(addr: str, port: int, timeout: float) -> bool:
         return False
 
 
-def _pid_alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
 
 def _ns_id(pid: int | str, kind: str) -> str | None:
     try:
@@ -604,7 +596,7 @@ def _namespace_pids(h: SandboxHost) -> list[int]:
     targets = set()
     with contextlib.suppress(OSError):
         targets.add(("net", f"net:[{os.stat(f'/run/netns/{h.netns}').st_ino}]"))
-    if h.sshd_pid and _pid_alive(h.sshd_pid):
+    if h.sshd_pid and pid_alive(h.sshd_pid):
         mnt = _ns_id(h.sshd_pid, "mnt")
         if mnt and mnt != _ns_id("self", "mnt"):
             targets.add(("mnt", mnt))
@@ -629,7 +621,7 @@ def _kill_namespace_processes(h: SandboxHost) -> int:
     """
     ended: set[int] = set()
     for sig in (signal.SIGTERM, signal.SIGTERM, signal.SIGKILL, signal.SIGKILL):
-        pids = [p for p in _namespace_pids(h) if _pid_alive(p)]
+        pids = [p for p in _namespace_pids(h) if pid_alive(p)]
         if not pids:
             break
         for p in pids:
@@ -642,7 +634,7 @@ def _kill_namespace_processes(h: SandboxHost) -> int:
             with contextlib.suppress(ChildProcessError):
                 while os.waitpid(-1, os.WNOHANG)[0] > 0:
                     pass
-            if not any(_pid_alive(p) for p in pids):
+            if not any(pid_alive(p) for p in pids):
                 break
             time.sleep(0.05)
     return len(ended)

@@ -254,12 +254,12 @@ def _clean(sandbox, name: str) -> TestHost:
     freshly reset host (files, modes, owners, units, no extra mounts, its own sshd alive, DFlash
     serving, DDTree stopped) only the state dir is wiped; otherwise a full `reset_host`."""
     import httpx
-    from ddtree_ops.sandbox import _pid_alive
+    from ddtree_ops.localproc import pid_alive
 
     th = TestHost(name, sandbox, Path(sandbox.inventory_path))
     sbh = next(x for x in sandbox.hosts() if x.name == name)
     ok = False
-    if name in _PRISTINE and _pid_alive(sbh.sshd_pid):
+    if name in _PRISTINE and pid_alive(sbh.sshd_pid):
         try:
             ok = (host_tree(th) == _PRISTINE[name] and _units_as_before(th)
                   and httpx.get(th.host.base_url + "/health", timeout=3).status_code == 200)

@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from ddtree_ops.localproc import pid_alive
 import pytest
 
 from kit import (DFLASH_INFO, _PRISTINE, host_tree, in_parallel, make_patchset, upstream_file,
@@ -132,13 +134,6 @@ def ctrl_c(proc, marker: Path) -> None:
              what="the tool to take note of Ctrl-C")
     marker.unlink(missing_ok=True)
 
-
-def pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def deploy_args(th, ps: Path, *extra: str) -> tuple[str, ...]:

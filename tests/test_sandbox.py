@@ -151,7 +151,8 @@ def _mounts_mentioning(text: str) -> list[str]:
 
 
 def test_down_leaves_no_process_namespace_or_mount(tmp_path):
-    from ddtree_ops.sandbox import Sandbox, _namespace_pids, _pid_alive
+    from ddtree_ops.localproc import pid_alive
+    from ddtree_ops.sandbox import Sandbox, _namespace_pids
 
     sb = Sandbox(tmp_path / "own")
     try:
@@ -163,7 +164,7 @@ def test_down_leaves_no_process_namespace_or_mount(tmp_path):
     finally:
         result = sb.down()
     assert result["hosts"] == 1 and result["killed"] >= 3
-    assert not any(_pid_alive(p) for p in pids)
+    assert not any(pid_alive(p) for p in pids)
     assert not os.path.exists(f"/run/netns/{h.netns}")
     assert not os.path.exists(f"/sys/class/net/{h.veth}")
     assert not _mounts_mentioning(str(tmp_path / "own"))
@@ -171,7 +172,7 @@ def test_down_leaves_no_process_namespace_or_mount(tmp_path):
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                if os.readlink(f"/proc/{entry}/ns/mnt") == mnt_ns and _pid_alive(int(entry)):
+                if os.readlink(f"/proc/{entry}/ns/mnt") == mnt_ns and pid_alive(int(entry)):
                     alive_in_ns.append(entry)
             except OSError:
                 pass
@@ -180,7 +181,8 @@ def test_down_leaves_no_process_namespace_or_mount(tmp_path):
 
 
 def test_up_again_replaces_the_previous_hosts_cleanly(tmp_path):
-    from ddtree_ops.sandbox import Sandbox, _pid_alive
+    from ddtree_ops.localproc import pid_alive
+    from ddtree_ops.sandbox import Sandbox
 
     sb = Sandbox(tmp_path / "again")
     try:
@@ -189,7 +191,7 @@ def test_up_again_replaces_the_previous_hosts_cleanly(tmp_path):
         sb.up(1, load_seconds=0.1)
         (new,) = sb.hosts()
         assert new.netns != old.netns
-        assert not os.path.exists(f"/run/netns/{old.netns}") and not _pid_alive(old.sshd_pid)
+        assert not os.path.exists(f"/run/netns/{old.netns}") and not pid_alive(old.sshd_pid)
         assert sb.status()[0]["health_up"]
     finally:
         sb.down()

@@ -426,7 +426,9 @@ def test_remote_commands_quote_every_value(clean_host, tmp_path):
     assert set(facts["units"].values()) <= {"unknown", "inactive"}  # names arrived whole: unknown units
     assert len(sent) >= 8
     for cmd in sent:
-        for piece in cmd.split("; "):  # probe_unit sends several quoted commands in one line
+        # One quoted argv (a `sh -c SCRIPT sh ARGS...` included), or several joined by "; " (probe_unit).
+        pieces = [cmd] if shell_join(shlex.split(cmd)) == cmd else cmd.split("; ")
+        for piece in pieces:
             assert shell_join(shlex.split(piece)) == piece, f"not a quoted argv: {piece!r}"
     assert not list(tmp_path.glob("pwned*")), "a value was executed by a shell"
 

@@ -91,16 +91,6 @@ def run_on_host(host: Host, action: Callable[[HostDeploy], HostResult], *, accep
         return result
 
 
-def run_sequential(hosts: list[Host], action: Callable[[HostDeploy], HostResult], *,
-                   accept_new_host_keys: bool = False, report: Reporter) -> list[HostResult]:
-    results = []
-    for h in hosts:
-        results.append(run_on_host(h, action, accept_new_host_keys=accept_new_host_keys, report=report))
-        if results[-1].outcome == "interrupted":  # Ctrl-C: roll back this host, touch no other
-            break
-    return results
-
-
 # ---------------------------------------------------------------------------------------------
 # targets, batches and the failure budget (pure)
 
@@ -403,26 +393,32 @@ def _merge_revert(deployed: list[HostResult], back: list[HostResult]) -> list[Ho
 # the actions the CLI runs
 
 
-def deploy_action(ps, opts: DeployOptions, *, accept_new_host_keys: bool = False) -> TargetAction:
+def _per_target(host_op: Callable[[HostDeploy], HostResult], server_op, *,
+                accept_new_host_keys: bool) -> TargetAction:
+    """A host runs `host_op` on its own connection; a multi-node server runs `server_op` as a whole."""
     def act(t: Target, report: Reporter) -> list[HostResult]:
         if t.multinode:
-            from .multinode import deploy_server
-
-            return deploy_server(t, ps, opts, accept_new_host_keys=accept_new_host_keys, report=report)
-        return [run_on_host(t.hosts[0], lambda d: d.deploy(ps, opts), accept_new_host_keys=accept_new_host_keys,
-                            report=report)]
+            return server_op(t, report)
+        return [run_on_host(t.hosts[0], host_op, accept_new_host_keys=accept_new_host_keys, report=report)]
     return act
+
+
+def deploy_action(ps, opts: DeployOptions, *, accept_new_host_keys: bool = False) -> TargetAction:
+    from .multinode import deploy_server
+
+    return _per_target(lambda d: d.deploy(ps, opts),
+                       lambda t, report: deploy_server(t, ps, opts, accept_new_host_keys=accept_new_host_keys,
+                                                       report=report),
+                       accept_new_host_keys=accept_new_host_keys)
 
 
 def rollback_action(to: str | None, opts: DeployOptions, *, accept_new_host_keys: bool = False) -> TargetAction:
-    def act(t: Target, report: Reporter) -> list[HostResult]:
-        if t.multinode:
-            from .multinode import rollback_server
+    from .multinode import rollback_server
 
-            return rollback_server(t, to, opts, accept_new_host_keys=accept_new_host_keys, report=report)
-        return [run_on_host(t.hosts[0], lambda d: d.rollback(to, opts), accept_new_host_keys=accept_new_host_keys,
-                            report=report)]
-    return act
+    return _per_target(lambda d: d.rollback(to, opts),
+                       lambda t, report: rollback_server(t, to, opts, accept_new_host_keys=accept_new_host_keys,
+                                                         report=report),
+                       accept_new_host_keys=accept_new_host_keys)
 
 
 def rolling_deploy(targets: list[Target], ps, opts: DeployOptions, *, canary: int = 1, batch: str | None = None,
@@ -451,5 +447,5 @@ def summary_rows(res: RolloutResult) -> list[dict[str, Any]]:
 
 
 __all__ = ["Target", "make_targets", "plan_batches", "batch_size", "budget_exceeded", "parse_percent", "Rollout",
-           "RolloutResult", "rolling_deploy", "rolling_rollback", "run_on_host", "run_sequential",
+           "RolloutResult", "rolling_deploy", "rolling_rollback", "run_on_host",
            "overall_exit_code", "Progress", "asdict"]

@@ -380,14 +380,14 @@ def test_generate_exercises_ddtree_payload(spawn, tmp_path):
     assert "DDTree payload error" in b.log and "boom in build" in b.log and "Traceback" in b.log
 
 
-def _real_sglang_tree() -> Path | None:
-    cache = Path(os.environ.get("DDTREE_OPS_CACHE", REPO / ".cache"))
-    tree = cache / "sglang-0.5.23-site" / "sglang"
-    return tree if (tree / "srt" / "speculative").is_dir() else None
+def _real_sglang_tree() -> Path:
+    """The real 0.5.23 files, downloaded (pip, once) and extracted into the cache if needed."""
+    from ddtree_ops.sandbox import sglang_site_tree
+
+    return sglang_site_tree() / "sglang"
 
 
 @pytest.mark.sglang
-@pytest.mark.skipif(_real_sglang_tree() is None, reason="no cached sglang 0.5.23 files (.cache/sglang-0.5.23-site)")
 def test_ddtree_modules_beside_real_sglang_files_without_its_dependencies(spawn, tmp_path):
     """As on the test hosts: the real 0.5.23 files, none of SGLang's dependencies
     (sglang/__init__.py needs orjson, transformers, ...), plus the payload's modules."""

@@ -66,7 +66,7 @@ def test_rendered_ct200_unit_has_the_production_launch_command(ct200):
         "--speculative-draft-model-path", "/models/Kimi-K2.6-DFlash",
         "--speculative-ddtree-budget", "16",
         "--speculative-ddtree-topk-cap", "4",
-        "--trust-remote-code", "--mem-fraction-static=0.88", "--cuda-graph-max-bs=8",
+        "--trust-remote-code", "--mem-fraction-static=0.88", "--cuda-graph-max-bs-decode=8",
     ]
 
 

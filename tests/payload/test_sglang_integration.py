@@ -1,161 +1,208 @@
-"""Integration against the real sglang 0.5.23 source with the patch set applied.
+"""The patch set inside the real sglang 0.5.23 source (CPU, no GPU).
 
-Runs in the interpreter of .venv-sglang (built by scripts/setup-sglang-venv):
-sglang installed --no-deps plus its light deps, torch CPU-capable, no GPU.
-Skipped with a reason when that venv is absent, unless DDTREE_OPS_STRICT=1.
+Runs in `.venv-sglang` with the patch set laid over the pristine wheel (sglang_env): the
+DDTREE flags as SGLang's own parser sees them, the refusals of what the tree verify cannot
+serve, the worker class SGLang builds, and the verify input's attention arguments against an
+independent construction.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-import subprocess
-import textwrap
-
 import pytest
-
-REPO = pathlib.Path(__file__).resolve().parents[2]
-VENV = pathlib.Path(os.environ.get("DDTREE_SGLANG_VENV", REPO / ".venv-sglang"))
-PY = VENV / "bin" / "python"
+from sglang_env import run_sglang, sglang_overlay  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.sglang
 
+PARSE = """
+from sglang.srt.server_args import prepare_server_args
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+base = ["--model-path", MODEL, "--device", "cuda", "--speculative-draft-model-path", MODEL]
 
-def _need_venv():
-    if not PY.exists():
-        msg = f"{VENV} absent: run scripts/setup-sglang-venv"
-        if os.environ.get("DDTREE_OPS_STRICT") == "1":
-            pytest.fail(msg + " (DDTREE_OPS_STRICT=1)")
-        pytest.skip(msg)
+def parse(*extra):
+    try:
+        a = prepare_server_args(base + list(extra))
+    except ValueError as e:
+        return "refused: " + str(e)
+    except SystemExit as e:
+        return "argparse exit %s" % e.code
+    return [a.speculative_algorithm, a.speculative_ddtree_budget, a.speculative_ddtree_topk_cap,
+            a.attention_backend, a.page_size]
+
+D = ["--speculative-algorithm", "DDTREE"]
+OUT["explicit"] = parse(*D, "--speculative-ddtree-budget", "32", "--speculative-ddtree-topk-cap", "8")
+OUT["defaults"] = parse("--speculative-algorithm", "ddtree")
+OUT["triton_named"] = parse(*D, "--attention-backend", "triton", "--page-size", "1")
+OUT["plain_dflash"] = parse("--speculative-algorithm", "DFLASH")
+OUT["plain_none"] = parse()
+cases = {
+    "budget0": D + ["--speculative-ddtree-budget", "0"],
+    "budget_big": D + ["--speculative-ddtree-budget", "2000"],
+    "cap_over": D + ["--speculative-ddtree-budget", "8", "--speculative-ddtree-topk-cap", "9"],
+    "cap0": D + ["--speculative-ddtree-budget", "8", "--speculative-ddtree-topk-cap", "0"],
+    "eagle_budget": ["--speculative-algorithm", "EAGLE", "--speculative-ddtree-budget", "8"],
+    "nonint": D + ["--speculative-ddtree-budget", "x"],
+    "old_tree_flag": D + ["--speculative-ddtree-tree-verify"],
+    "old_debug_flag": D + ["--speculative-ddtree-debug-metrics"],
+    "trtllm_mla": D + ["--attention-backend", "trtllm_mla"],
+    "flashmla": D + ["--attention-backend", "flashmla"],
+    "fa3": D + ["--attention-backend", "fa3"],
+    "flashinfer": D + ["--attention-backend", "flashinfer"],
+    "prefill_fa3": D + ["--attention-backend", "triton", "--prefill-attention-backend", "fa3"],
+    "page16": D + ["--page-size", "16"],
+    "dp_attention": D + ["--enable-dp-attention", "--dp-size", "2", "--tp-size", "2"],
+    "lora": D + ["--enable-lora"],
+    "rejection": D + ["--speculative-use-rejection-sampling"],
+    "threshold": D + ["--speculative-accept-threshold-acc", "0.5"],
+}
+OUT["bad"] = {k: parse(*v) for k, v in cases.items()}
+
+algo = SpeculativeAlgorithm.from_string("DDTREE")
+OUT["algo"] = [algo.name, algo.is_dflash()]
+cls = algo.create_worker(prepare_server_args(base + D))
+from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+from sglang.srt.speculative.dflash_info import DFlashVerifyInput
+OUT["worker"] = [cls.__name__, issubclass(cls, DFlashWorkerV2),
+                 issubclass(cls.DDTreeVerifyInput, DFlashVerifyInput)]
+OUT["plain_worker"] = algo.create_worker(prepare_server_args(base + ["--speculative-algorithm", "DFLASH"])).__name__
+"""
 
 
-def _run(code: str, tmp_path) -> dict:
-    _need_venv()
-    cfg = tmp_path / "model"
-    cfg.mkdir(exist_ok=True)
-    (cfg / "config.json").write_text(json.dumps(
-        {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "block_size": 16}))
-    script = "import json, sys\nMODEL = %r\nOUT = {}\n" % str(cfg) + textwrap.dedent(code) + \
-        "\nprint('@@RESULT@@' + json.dumps(OUT))\n"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONWARNINGS="ignore")
-    r = subprocess.run([str(PY), "-c", script], capture_output=True, text=True, timeout=300,
-                       cwd=tmp_path, env=env)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
-    line = [x for x in r.stdout.splitlines() if x.startswith("@@RESULT@@")][-1]
-    return json.loads(line[len("@@RESULT@@"):])
-
-
-def test_patched_sglang_end_to_end_cpu(tmp_path):
-    out = _run(
-        """
-        import glob, os, hashlib
-        import sglang.srt.speculative as spec_pkg
-        from sglang.srt.server_args import prepare_server_args
-        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-        from sglang.srt.speculative import ddtree_utils, ddtree_worker, ddtree_args
-        import torch
-        OUT["modules"] = sorted(os.path.basename(p) for p in glob.glob(os.path.join(list(spec_pkg.__path__)[0], "ddtree*.py")))
-        base = ["--model-path", MODEL, "--device", "cuda", "--speculative-draft-model-path", MODEL]
-        a = prepare_server_args(base + ["--speculative-algorithm", "DDTREE",
-            "--speculative-ddtree-budget", "32", "--speculative-ddtree-topk-cap", "8",
-            "--speculative-ddtree-debug-metrics"])
-        OUT["parsed"] = [a.speculative_algorithm, a.speculative_ddtree_budget,
-                         a.speculative_ddtree_topk_cap, a.speculative_ddtree_debug_metrics]
-        d = prepare_server_args(base + ["--speculative-algorithm", "ddtree"])
-        OUT["defaults"] = [d.speculative_algorithm, d.speculative_ddtree_budget, d.speculative_ddtree_topk_cap]
-        plain = prepare_server_args(base + ["--speculative-algorithm", "DFLASH"])
-        OUT["plain"] = [plain.speculative_algorithm, plain.speculative_ddtree_budget]
-        algo = SpeculativeAlgorithm.from_string("DDTREE")
-        OUT["algo"] = [algo.name, algo.is_dflash()]
-        cls = algo.create_worker(a)
-        from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
-        OUT["worker"] = [cls.__name__, issubclass(cls, DFlashWorkerV2)]
-        OUT["plain_worker"] = algo.create_worker(plain).__name__
-        bad = {}
-        for extra in (["--speculative-ddtree-budget", "0"],
-                      ["--speculative-ddtree-budget", "8", "--speculative-ddtree-topk-cap", "9"],
-                      ["--speculative-ddtree-budget", "8", "--speculative-ddtree-topk-cap", "0"]):
-            try:
-                prepare_server_args(base + ["--speculative-algorithm", "DDTREE"] + extra)
-                bad[" ".join(extra)] = "accepted"
-            except ValueError as e:
-                bad[" ".join(extra)] = str(e)
-        try:
-            prepare_server_args(base + ["--speculative-algorithm", "EAGLE", "--speculative-ddtree-budget", "8"])
-            bad["eagle"] = "accepted"
-        except ValueError as e:
-            bad["eagle"] = str(e)
-        try:
-            prepare_server_args(base + ["--speculative-algorithm", "DDTREE", "--speculative-ddtree-budget", "x"])
-            bad["nonint"] = "accepted"
-        except SystemExit as e:
-            bad["nonint"] = "argparse exit %s" % e.code
-        OUT["bad"] = bad
-        OUT["max_width"] = algo.resolve_max_speculative_num_draft_tokens(
-            type("C", (), {"speculative_num_draft_tokens": 16, "speculative_adaptive": False,
-                           "speculative_ddtree_budget": 32})())
-        # the patched modules work inside the real package
-        cfg = ddtree_worker.DDTreeConfig(8, 3)
-        plan = ddtree_worker.plan_ddtree_step(torch.randn(2, 4, 50), torch.tensor([1, 2]), torch.tensor([5, 9]), cfg)
-        OUT["plan"] = list(plan.tree.parents.shape)
-        # 1.1.0: the tree-verify flag, the verify input class, EAGLE's helpers
-        tv = prepare_server_args(base + ["--speculative-algorithm", "DDTREE",
-            "--speculative-ddtree-budget", "8", "--speculative-ddtree-tree-verify"])
-        OUT["tree_flag"] = [tv.speculative_ddtree_tree_verify, a.speculative_ddtree_tree_verify]
-        try:
-            prepare_server_args(base + ["--speculative-algorithm", "DFLASH", "--speculative-ddtree-tree-verify"])
-            bad["tree_flag_dflash"] = "accepted"
-        except ValueError as e:
-            bad["tree_flag_dflash"] = str(e)
-        from sglang.srt.speculative import ddtree_verify as dv
-        from sglang.srt.speculative.dflash_info import DFlashVerifyInput
-        from sglang.srt.speculative.spec_info import SpecInputType
-        from sglang.srt.speculative.eagle_worker_common import _compact_accept_to_front
-        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
-        VI = cls.DDTreeVerifyInput
-        g = torch.Generator().manual_seed(0)
-        p = dv.ddtree_prepare_verify(torch.randn(2, 4, 50, generator=g), torch.tensor([1, 2]),
-                                     torch.tensor([5, 9]), 8, 3, seq_lens_sum=14)
-        vi = VI(draft_token=p.draft_token, positions=p.positions, draft_token_num=p.width,
-                custom_mask=p.custom_mask, capture_hidden_mode=CaptureHiddenMode.FULL)
-        OUT["verify_input"] = [issubclass(VI, DFlashVerifyInput), vi.spec_input_type == SpecInputType.DFLASH_VERIFY,
-                               vi.num_tokens_per_req, vi.topk, int(vi.custom_mask.numel())]
-        logits = torch.randn(18, 50, generator=g)
-        pr, ai, an = dv.ddtree_accept(logits, p)
-        x = torch.randn(18, 7, generator=g)
-        OUT["compact_eq_eagle"] = bool(torch.equal(
-            dv.compact_to_front(x, ai, 2, 9), _compact_accept_to_front(x, ai, 2, num_draft_tokens=9)))
-        OUT["blockers_default"] = ddtree_worker.tree_verify_blockers(
-            enabled=False, attn_backend="FlashAttentionBackend", page_size=1, head_tp_size=1,
-            attn_dp=False, compact_draft_cache=False, mamba=False, selector=False, domino=False,
-            simulate_acc=False, ragged_verify=False)
-        import sglang.srt.layers.attention.flashinfer_backend as fib
-        import sglang.srt.layers.attention.triton_backend as trb
-        OUT["mask_backends_exist"] = [hasattr(fib, "FlashInferAttnBackend"), hasattr(trb, "TritonAttnBackend")]
-        """,
-        tmp_path,
-    )
-    assert out["modules"] == ["ddtree_args.py", "ddtree_utils.py", "ddtree_verify.py", "ddtree_worker.py"]
-    assert out["parsed"] == ["DFLASH", 32, 8, True]
-    assert out["defaults"] == ["DFLASH", 64, 64]
-    assert out["plain"] == ["DFLASH", None]
-    assert out["algo"] == ["DFLASH", True]
-    assert out["worker"] == ["DDTreeWorkerV2", True]
-    assert out["plain_worker"] == "DFlashWorkerV2"
+def test_ddtree_flags_parse_refuse_and_pick_the_worker(sglang_overlay, tmp_path):
+    out = run_sglang(PARSE, tmp_path, sglang_overlay)
+    assert out["explicit"] == ["DFLASH", 32, 8, "triton", 1]
+    assert out["defaults"] == ["DFLASH", 64, 64, "triton", 1]
+    assert out["triton_named"] == ["DFLASH", 64, 64, "triton", 1]
+    # nothing changes for the other algorithms (no backend or page size picked)
+    assert out["plain_dflash"] == ["DFLASH", None, None, None, None]
+    assert out["plain_none"] == [None, None, None, None, None]
     bad = out["bad"]
-    assert "must be >= 1" in bad["--speculative-ddtree-budget 0"]
-    assert "1 <= topk_cap <= budget" in bad["--speculative-ddtree-budget 8 --speculative-ddtree-topk-cap 9"]
-    assert "1 <= topk_cap <= budget" in bad["--speculative-ddtree-budget 8 --speculative-ddtree-topk-cap 0"]
-    assert "require --speculative-algorithm DDTREE" in bad["eagle"]
+    assert "1..1024" in bad["budget0"] and "1..1024" in bad["budget_big"]
+    assert "1 <= topk_cap <= budget" in bad["cap_over"] and "1 <= topk_cap <= budget" in bad["cap0"]
+    assert "require --speculative-algorithm DDTREE" in bad["eagle_budget"]
     assert bad["nonint"] == "argparse exit 2"
-    assert out["max_width"] == 33
-    assert out["plan"] == [2, 9]
-    assert out["tree_flag"] == [True, False]
-    assert "require --speculative-algorithm DDTREE" in bad["tree_flag_dflash"]
-    # N = 9 nodes per request; FULL_MASK = 9*(5+9) + 9*(9+9)
-    assert out["verify_input"] == [True, True, 9, 1, 9 * 14 + 9 * 18]
-    assert out["compact_eq_eagle"] is True
-    assert "--speculative-ddtree-tree-verify is off" in out["blockers_default"]
-    assert any("FlashAttentionBackend" in r for r in out["blockers_default"])
-    assert out["mask_backends_exist"] == [True, True]
+    # the experimental flag and the no-op debug flag are gone
+    assert bad["old_tree_flag"] == "argparse exit 2"
+    assert bad["old_debug_flag"] == "argparse exit 2"
+    for name in ("trtllm_mla", "flashmla", "fa3", "flashinfer"):
+        assert f"attention backend '{name}' cannot verify a DDTree" in bad[name], bad[name]
+        assert "use --attention-backend triton" in bad[name]
+    assert "attention backend 'fa3'" in bad["prefill_fa3"]  # the verify runs on the prefill backend
+    assert "--page-size 16" in bad["page16"] and "use --page-size 1" in bad["page16"]
+    assert "DP attention" in bad["dp_attention"], bad["dp_attention"]
+    assert "--enable-lora" in bad["lora"]
+    assert "--speculative-use-rejection-sampling" in bad["rejection"]
+    assert "thresholds below 1" in bad["threshold"]
+    assert out["algo"] == ["DFLASH", True]
+    assert out["worker"] == ["DDTreeWorkerV2", True, True]
+    assert out["plain_worker"] == "DFlashWorkerV2"
+
+
+ATTN_ARGS = """
+import torch
+from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
+from sglang.srt.server_args import prepare_server_args
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+from sglang.srt.speculative import ddtree_verify as dv
+
+cls = SpeculativeAlgorithm.from_string("DDTREE").create_worker(prepare_server_args(
+    ["--model-path", MODEL, "--device", "cuda", "--speculative-draft-model-path", MODEL,
+     "--speculative-algorithm", "DDTREE"]))
+VI = cls.DDTreeVerifyInput
+g = torch.Generator().manual_seed(7)
+budget, cap, depth, V = 8, 3, 4, 50
+prefix = torch.tensor([5, 2, 9])
+rpi = torch.tensor([2, 0, 3])
+bs, W = 3, budget + 1
+req_to_token = torch.randperm(4 * 40, generator=g).view(4, 40).to(torch.int32)
+plan = dv.ddtree_prepare_verify(torch.randn(bs, depth, V, generator=g), torch.tensor([1, 2, 3]),
+                                prefix, budget, cap, seq_lens_sum=int(prefix.sum()))
+tree_loc = torch.cat([req_to_token[r, p:p + W] for r, p in zip(rpi.tolist(), prefix.tolist())]).long()
+translator = KVIndexTranslator(req_to_token=req_to_token, token_to_kv_pool_allocator=None,
+                               token_to_kv_pool=None, page_size=1, device="cpu")
+kv_plan = translator.plan(req_pool_indices=rpi, seq_lens=prefix, seq_lens_cpu=prefix,
+                          write_virtual=tree_loc, read_extent=W)
+vi = VI(draft_token=plan.draft_token, positions=plan.positions, draft_token_num=W,
+        custom_mask=plan.custom_mask, retrieve_index=plan.retrieve.retrive_index,
+        retrieve_next_token=plan.retrieve.retrive_next_token,
+        retrieve_next_sibling=plan.retrieve.retrive_next_sibling, max_depth=depth, kv_loc_plan=kv_plan)
+kv_indices, kv_indptr, qo_indptr, mask = vi.generate_attn_arg_prefill(
+    req_pool_indices=rpi, paged_kernel_lens=prefix, paged_kernel_lens_sum=int(prefix.sum()),
+    translator=translator, plan=kv_plan)
+OUT["kv_indices"] = kv_indices.tolist()
+OUT["kv_indptr"] = kv_indptr.tolist()
+OUT["qo_indptr"] = qo_indptr.tolist()
+OUT["mask"] = mask.int().tolist()
+OUT["parents"] = plan.tree.parents.tolist()
+OUT["req_to_token"] = req_to_token.tolist()
+OUT["num_tokens_per_req"] = vi.num_tokens_per_req
+OUT["tree"] = [vi.max_tree_depth, vi.tree_topk, vi.topk, vi.spec_input_type.name]
+"""
+
+
+def _ancestors_or_self(parents: list[int]) -> list[set[int]]:
+    out = []
+    for i in range(len(parents)):
+        seen, j = set(), i
+        while j >= 0 and j not in seen:
+            seen.add(j)
+            j = parents[j] if j > 0 else -1
+        out.append(seen)
+    return out
+
+
+def test_verify_input_attention_args_match_an_independent_construction(sglang_overlay, tmp_path):
+    out = run_sglang(ATTN_ARGS, tmp_path, sglang_overlay, triton_interpret=True)
+    prefix, rpi, W = [5, 2, 9], [2, 0, 3], 9
+    rtt = out["req_to_token"]
+    # kv indices: each request's prefix slots, then its W tree slots, from req_to_token
+    want_idx, want_indptr = [], [0]
+    for r, p in zip(rpi, prefix):
+        want_idx += rtt[r][: p + W]
+        want_indptr.append(want_indptr[-1] + p + W)
+    assert out["kv_indices"][: want_indptr[-1]] == want_idx
+    assert out["kv_indptr"] == want_indptr
+    assert out["qo_indptr"] == [0, W, 2 * W, 3 * W]
+    # FULL_MASK: per request W rows of (prefix + W): the prefix visible, then the tree's
+    # ancestors-or-self (padding nodes see the prefix and themselves)
+    want_mask = []
+    for b, p in enumerate(prefix):
+        anc = _ancestors_or_self(out["parents"][b])
+        for i in range(W):
+            want_mask += [1] * p + [1 if j in anc[i] else 0 for j in range(W)]
+    assert out["mask"][: len(want_mask)] == want_mask
+    assert len(out["mask"]) >= len(want_mask)
+    assert out["num_tokens_per_req"] == W
+    assert out["tree"][:3] == [5, -1, 1]  # accept width = depth + 1; irregular tree
+    assert out["tree"][3] == "DFLASH_VERIFY"
+
+
+def test_the_ct200_launch_line_parses_with_sglangs_own_parser(sglang_overlay, tmp_path):
+    """The unit ddtree-ops renders for CT200 (nothing connects anywhere), fed to 0.5.23's parser
+    with the patch set: a flag it rejects would only show once CT200 had stopped DFlash."""
+    import json
+    import shlex
+
+    from ddtree_ops import units
+    from ddtree_ops.inventory import load_inventory
+
+    from sglang_env import REPO
+
+    text = units.render_unit(load_inventory(REPO / "inventory" / "ct200.yaml").host("ct200"))
+    line = next(ln for ln in units._logical_lines(text) if ln.startswith("ExecStart="))
+    argv = shlex.split(line[len("ExecStart="):])
+    assert argv[1:3] == ["-m", "sglang.launch_server"]
+    args = argv[3:]
+    for flag in ("--model-path", "--speculative-draft-model-path"):  # local stand-ins for the weights
+        args[args.index(flag) + 1] = "@MODEL@"
+    code = (
+        "from sglang.srt.server_args import prepare_server_args\n"
+        f"args = [MODEL if a == '@MODEL@' else a for a in json.loads({json.dumps(json.dumps(args))})]\n"
+        "try:\n"
+        "    a = prepare_server_args(args)\n"
+        "    OUT['parsed'] = [a.speculative_algorithm, a.speculative_ddtree_budget,\n"
+        "                     a.speculative_ddtree_topk_cap, a.tp_size, a.attention_backend, a.page_size]\n"
+        "except SystemExit as e:\n"
+        "    OUT['parsed'] = 'argparse exit %s' % e.code\n"
+    )
+    out = run_sglang(code, tmp_path, sglang_overlay)
+    assert out["parsed"] == ["DFLASH", 16, 4, 8, "triton", 1]

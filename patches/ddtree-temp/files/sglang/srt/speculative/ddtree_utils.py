@@ -29,6 +29,7 @@ over depths (at most the draft length) or sibling ranks (pointer doubling,
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple, Optional, Tuple
 
@@ -86,6 +87,168 @@ def draft_topk_logprobs(
 # ---------------------------------------------------------------------------
 
 
+# Tie-break keys. A float32 score s <= 0 is widened to float64 and perturbed by
+# its global candidate id g: key = s * (1 + g * eps) - (g + 1) * _KEY_TINY.
+# The relative perturbation (<= 2**-30) is far below the float32 spacing
+# (>= 2**-24 relative), so distinct scores keep their order and the key rounds
+# back to exactly s in float32; equal scores are ordered by g (a larger g gives
+# a more negative key). The absolute term only matters for s == 0 (it is below
+# half a float64 ulp of any nonzero float32). Every key is < 0, so the int64
+# view of the key orders candidates (smallest int64 = largest key); topk on
+# int64 has no NaN handling and is several times faster on CPU than on floats.
+_KEY_TINY = 2.0**-1000
+
+
+class _BuildPlan(NamedTuple):
+    depth: int  # depths that can hold a node (<= L)
+    widths: tuple[int, ...]  # beam width per depth (entries kept)
+    survivors: tuple[int, ...]  # sorted survivors depth t exposes to depth t+1
+    pair_i: tuple[torch.Tensor | None, ...]  # depth t >= 1: survivor rank per pair
+    key_mult: tuple[torch.Tensor, ...]  # per depth: float64 1 + g * eps
+    key_neg: tuple[torch.Tensor, ...]  # per depth: float64 -(g + 1) * tiny
+    lp_index: torch.Tensor | None  # [sum P] flat t * K + j of each pair, depths >= 1
+    lp_splits: tuple[int, ...]
+    slot_table: torch.Tensor  # [G, 3] per beam slot: pair-id base, depth (1-based), parent beam offset
+    pair_table: torch.Tensor  # [U, 2] per pair id: survivor-list index of the parent, flat token index
+    first_index: torch.Tensor  # arange(K)
+    node_ids: torch.Tensor  # arange(1, take + 1)
+    fill: torch.Tensor  # [3, 1, 1] (token, parent, depth) of the root and of padding
+    take: int
+
+
+@functools.lru_cache(maxsize=256)
+def _pair_lists(budget: int, k: int, depth_max: int):
+    """Pure-Python candidate lists, per depth index t (1-based depth t+1).
+
+    Returns ``(widths, pair_i, pair_j)``: the beam width of every depth that
+    can hold a node, and for t >= 1 the admissible (survivor rank, token rank)
+    pairs in lexicographic order (t = 0: the root's children, i = 0, j < k).
+
+    A node (i, j) of depth ``d >= 2`` in the final tree brings along its
+    ``(i+1)(j+1)`` dominators at depth d (survivor rank <= i, token rank <= j:
+    each scores at least as much and comes first under the tie rule), their
+    ``i+1`` parents and at least ``d-2`` shallower ancestors, so ``(i+1)(j+2) +
+    d - 2 <= budget``; and ``i`` must exist in the previous beam. A node of
+    depth d has at most ``budget - d`` same-depth prefixes ahead of it (it
+    needs ``d-1`` ancestors too), so the beam of depth d keeps ``budget - d +
+    1`` entries (at most the number of candidates).
+    """
+    widths = [k]
+    pis = [(0,) * k]
+    pjs = [tuple(range(k))]
+    for t in range(1, depth_max):
+        lim = budget - t + 1  # budget - d + 2 with d = t + 1
+        ii: list = []
+        jj: list = []
+        for i in range(widths[t - 1]):
+            w = min(k, lim // (i + 1) - 1)
+            if w <= 0:
+                break
+            ii.extend([i] * w)
+            jj.extend(range(w))
+        if not ii:
+            break
+        pis.append(tuple(ii))
+        pjs.append(tuple(jj))
+        widths.append(min(budget - t, len(ii)))
+    return tuple(widths), tuple(pis), tuple(pjs)
+
+
+@functools.lru_cache(maxsize=64)
+def _build_plan(budget: int, k: int, depth_max: int, device: torch.device) -> _BuildPlan:
+    widths, pis, pjs = _pair_lists(budget, k, depth_max)
+    depth = len(widths)
+    survivors = tuple(
+        (max(pis[t + 1]) + 1) if t + 1 < depth else 0 for t in range(depth)
+    )
+    # global candidate ids g, depth-major: depth 1 -> j, depth t+1 -> base_t + q
+    base = [0]
+    for t in range(1, depth):
+        base.append(base[-1] + len(pjs[t - 1]))
+    n_ids = base[-1] + len(pjs[-1])
+    bits = max(1, math.ceil(math.log2(n_ids + 1)))
+    if 30 + bits > 50:  # pragma: no cover - budgets in the millions
+        raise ValueError(f"budget {budget} too large for the tie-break keys")
+    eps = 2.0 ** -(30 + bits)
+
+    def key_consts(t):
+        g = torch.arange(len(pjs[t]), dtype=torch.float64) + base[t]
+        return (1.0 + g * eps).to(device), (-(g + 1.0) * _KEY_TINY).to(device)
+
+    consts = [key_consts(t) for t in range(depth)]
+    n_slots = sum(widths)
+    beam_off = [0]
+    for w in widths[:-1]:
+        beam_off.append(beam_off[-1] + w)
+    sx_off = [0]
+    for h in survivors[:-1]:
+        sx_off.append(sx_off[-1] + h)
+    # Depth-1 slots point at survivor-list entry 0 (position 0 of the top-k
+    # list) in a virtual beam at offset n_slots, the root's column of node_of.
+    slot_rows = [
+        torch.tensor(
+            [base[t], t + 1, beam_off[t - 1] if t else n_slots], dtype=torch.long
+        ).expand(w, 3)
+        for t, w in enumerate(widths)
+    ]
+    pair_rows = [[0, j] for j in range(k)]
+    for t in range(1, depth):
+        pair_rows += [[sx_off[t - 1] + i, t * k + j] for i, j in zip(pis[t], pjs[t])]
+    lp_index = None
+    if depth > 1:
+        lp_index = torch.cat(
+            [torch.tensor(pjs[t], dtype=torch.long) + t * k for t in range(1, depth)]
+        ).to(device)
+    take = min(budget, n_slots)
+    return _BuildPlan(
+        depth=depth,
+        widths=tuple(widths),
+        survivors=survivors,
+        pair_i=(None,) + tuple(torch.tensor(pis[t], dtype=torch.long).to(device) for t in range(1, depth)),
+        key_mult=tuple(c[0] for c in consts),
+        key_neg=tuple(c[1] for c in consts),
+        lp_index=lp_index,
+        lp_splits=tuple(len(pjs[t]) for t in range(1, depth)),
+        slot_table=torch.cat(slot_rows).to(device),
+        pair_table=torch.tensor(pair_rows, dtype=torch.long).to(device),
+        first_index=torch.arange(k, device=device),
+        node_ids=torch.arange(1, take + 1, device=device),
+        fill=torch.tensor([0, -1, 0], dtype=torch.long).view(3, 1, 1).to(device),
+        take=take,
+    )
+
+
+def admissible_pairs(
+    budget: int, k: int, depth: int = 2, device=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (survivor rank ``i``, token rank ``j``) pairs that
+    :func:`build_ddtree_tree` scores at ``depth`` (1-based), top-k width ``k``.
+
+    Both ranks are 0-based: survivors (the beam of depth ``depth-1``) sorted by
+    score descending, tokens by log-probability descending. A child ``(i, j)``
+    is dominated by the ``(i+1)(j+1)`` children ``(i', j')`` with ``i' <= i``
+    and ``j' <= j``, which score at least as much and come first under the tie
+    rule; with their ``i+1`` parents and ``depth-2`` further ancestors they
+    must all fit in the tree, so only ``(i+1)(j+2) <= budget - depth + 2``
+    (with ``j < k`` and ``i`` inside the previous beam) is scored. That is a
+    subset of ``(i+1)(j+1) <= budget``: at most ``sum_i floor(budget / (i+1))``
+    pairs, about ``budget * ln(budget)``, instead of ``budget * k``. Depth 1
+    scores the root's ``min(k, budget)`` children (``i = 0``). Returned as
+    int64 tensors in lexicographic order; empty when no node of ``depth`` can
+    be in a tree of ``budget`` nodes.
+    """
+    if budget < 1 or k < 1 or depth < 1:
+        raise ValueError(f"budget, k and depth must be >= 1, got {budget}, {k}, {depth}")
+    dev = torch.device("cpu") if device is None else torch.device(device)
+    _, pis, pjs = _pair_lists(int(budget), int(min(k, budget)), int(depth))
+    if len(pis) < depth:
+        empty = torch.zeros(0, dtype=torch.long, device=dev)
+        return empty, empty.clone()
+    ii = torch.tensor(pis[depth - 1], dtype=torch.long).to(dev)
+    jj = torch.tensor(pjs[depth - 1], dtype=torch.long).to(dev)
+    return ii, jj
+
+
 def build_ddtree_tree(
     draft_logprobs,
     budget: int,
@@ -98,15 +261,40 @@ def build_ddtree_tree(
     log-probabilities, or a pair ``(topk_logprobs [bs, L, K], topk_ids [bs, L,
     K])`` sorted descending along the last dim (from :func:`draft_topk_logprobs`).
     Only the top ``min(topk_cap, budget, K)`` tokens per depth are eligible;
-    ``topk_cap=None`` means ``budget`` (the paper's tree).
+    ``topk_cap=None`` means ``budget`` (the paper's tree). Log-probabilities
+    are clamped to ``<= 0`` (so a child never outscores its parent); ``-inf``
+    (or NaN) marks an impossible token, which is never a node.
 
-    Algorithm (loop over depths only): the optimal set is prefix-closed and
-    holds at most ``budget`` nodes per depth, so at depth ``d`` only the
-    children of the depth ``d-1`` survivors can be selected; keep the best
-    ``budget`` of them, then take the global best ``budget`` over all depths
-    with a stable sort whose input is ordered by depth, so on equal scores a
-    parent always precedes its child (prefix closure holds even when a draft
-    log-probability is exactly 0).
+    The result is the paper's heap tree (ties aside: the heap breaks them by
+    push order): the first ``budget`` prefixes of the total order below,
+    numbered 1..budget in that order, so ``parent < child`` and scores are
+    non-increasing. Scores are float32 sums along the path, accumulated root
+    first.
+
+    Tie rule (the total order on prefixes): higher score first; on equal score
+    the shallower prefix first; at equal depth the prefix whose parent comes
+    first in this same order; same parent: the lower token rank (position in
+    the given descending top-k list) first. A parent therefore precedes its
+    children even when a log-probability is exactly 0.
+
+    Algorithm: static shapes, no host synchronisation (no ``.item()``, no
+    boolean indexing, no data-dependent shapes), so it can be captured in a
+    CUDA graph once its per-(budget, K, L, device) plan is cached (any warm-up
+    call does that); the loop runs over depths only. The *beam* of depth ``d``
+    is the best ``budget - d + 1`` prefixes of depth ``d`` (a final-tree node
+    of depth ``d`` has at most ``budget - d`` same-depth prefixes ahead of it,
+    plus ``d - 1`` ancestors). Its members are children of the beam of depth
+    ``d-1`` and only the :func:`admissible_pairs` ``(i, j)`` with ``(i+1)(j+2)
+    <= budget - d + 2`` can be final-tree nodes, about ``budget * ln(budget)``
+    candidates per depth instead of ``budget * K``. Each depth scores those
+    (one gather and one add in float32), turns the scores into unique int64
+    tie-break keys (the order above: score, then depth, then pair index, whose
+    lexicographic (i, j) order is parent order then token rank), keeps its beam
+    with one unsorted ``topk`` and sorts only its best ``(budget - d + 1) // 2``
+    entries, the only ones that can have a child in the tree, as the next
+    depth's survivors. The tree is the best ``budget`` of the union of beams
+    (one ``topk``): the union holds every final-tree node, and the selection
+    is prefix-closed, so every parent is selected and comes before its child.
     """
     if budget < 1:
         raise ValueError(f"budget must be >= 1, got {budget}")
@@ -125,88 +313,75 @@ def build_ddtree_tree(
     k = min(k, budget)
     if k < 1:
         raise ValueError(f"topk_cap must be >= 1, got {topk_cap}")
-    top_lp = top_lp[:, :, :k]
-    top_ids = top_ids[:, :, :k]
     device = top_lp.device
-    neg_inf = torch.tensor(float("-inf"), device=device)
-
-    # Per-depth survivor lists, each [bs, W_d] with W_d = min(budget, k**d).
-    level_scores = []
-    level_tokens = []
-    level_parent_slot = []
-    prev_scores = torch.zeros(bs, 1, device=device)
-    for d in range(depth_max):
-        w_prev = prev_scores.shape[1]
-        # Children of every survivor, candidate (slot, rank) flattened
-        # slot-major: [bs, w_prev * k].
-        cand = (prev_scores.unsqueeze(-1) + top_lp[:, d, :].unsqueeze(1)).reshape(
-            bs, w_prev * k
-        )
-        w = min(budget, w_prev * k)
-        if w < w_prev * k:
-            sc, idx = torch.topk(cand, w, dim=1, largest=True, sorted=True)
-        else:
-            sc, idx = torch.sort(cand, dim=1, descending=True, stable=True)
-        slot = torch.div(idx, k, rounding_mode="floor")
-        rank = idx - slot * k
-        level_scores.append(sc)
-        level_tokens.append(torch.gather(top_ids[:, d, :], 1, rank))
-        level_parent_slot.append(slot)
-        prev_scores = sc
-
-    widths = [s.shape[1] for s in level_scores]
-    all_scores = torch.cat(level_scores, dim=1)  # depth-major order
-    total = all_scores.shape[1]
-    # -inf scores (impossible tokens) are not nodes.
-    all_scores = torch.where(torch.isfinite(all_scores), all_scores, neg_inf)
-    order = torch.sort(all_scores, dim=1, descending=True, stable=True).indices
-    take = min(budget, total)
-    sel = order[:, :take]  # flat candidate ids, best first
-    sel_scores = torch.gather(all_scores, 1, sel)
-    sel_valid = torch.isfinite(sel_scores)
-
-    depth_of = torch.cat(
-        [torch.full((w,), d + 1, dtype=torch.long, device=device) for d, w in enumerate(widths)]
-    )
-    level_off = [0]
-    for w in widths[:-1]:
-        level_off.append(level_off[-1] + w)
-    all_tokens = torch.cat(level_tokens, dim=1)
-    # flat id of each candidate's parent candidate (-1 for depth 1 = root)
-    parent_flat = torch.cat(
-        [
-            (level_parent_slot[d] + level_off[d - 1]) if d > 0 else torch.full_like(level_parent_slot[0], -1)
-            for d in range(depth_max)
-        ],
-        dim=1,
-    )
-
-    # node index (1..take) of each candidate, 0 = not selected
-    node_of = torch.zeros(bs, total + 1, dtype=torch.long, device=device)
-    node_ids = torch.arange(1, take + 1, device=device).expand(bs, take)
-    node_of.scatter_(1, torch.where(sel_valid, sel, total), torch.where(sel_valid, node_ids, 0))
-    node_of = node_of[:, :total]
-
-    sel_parent_flat = torch.gather(parent_flat, 1, sel)
-    sel_parent = torch.where(
-        sel_parent_flat < 0,
-        torch.zeros_like(sel_parent_flat),
-        torch.gather(node_of, 1, sel_parent_flat.clamp(min=0)),
-    )
-
     n = budget + 1
-    tokens = torch.zeros(bs, n, dtype=torch.long, device=device)
-    parents = torch.full((bs, n), -1, dtype=torch.long, device=device)
-    depths = torch.zeros(bs, n, dtype=torch.long, device=device)
-    scores = torch.full((bs, n), float("-inf"), dtype=torch.float32, device=device)
-    scores[:, 0] = 0.0
-    tokens[:, 1 : take + 1] = torch.where(sel_valid, torch.gather(all_tokens, 1, sel), 0)
-    parents[:, 1 : take + 1] = torch.where(sel_valid, sel_parent, -1)
-    depths[:, 1 : take + 1] = torch.where(sel_valid, depth_of[sel], 0)
-    scores[:, 1 : take + 1] = sel_scores
+    if depth_max == 0:
+        out = torch.zeros(2, bs, n, dtype=torch.long, device=device)
+        parents = torch.full((bs, n), -1, dtype=torch.long, device=device)
+        scores = torch.full((bs, n), float("-inf"), dtype=torch.float32, device=device)
+        scores[:, 0] = 0.0
+        if root_tokens is not None:
+            out[0, :, 0] = root_tokens.to(device=device, dtype=torch.long).reshape(bs)
+        return DDTree(out[0], parents, out[1], scores)
+
+    plan = _build_plan(budget, k, depth_max, device)
+    depth = plan.depth
+    lp = top_lp[:, :depth, :k].clamp(max=0.0)  # [bs, D, K] (a copy)
+    first = lp[:, 0]
+    keys = [torch.addcmul(plan.key_neg[0], first, plan.key_mult[0]).view(torch.int64)]
+    beam_idx = [plan.first_index.expand(bs, k)]
+    surv_pos = []  # per depth: beam positions of its sorted survivors
+    surv = first  # float32 scores of the sorted survivors of the last depth
+    if plan.survivors[0]:
+        surv_pos.append(plan.first_index[: plan.survivors[0]].expand(bs, plan.survivors[0]))
+    if depth > 1:
+        # log-probability of every pair's token, all depths: [bs, sum P]
+        lpp = lp.reshape(bs, depth * k).index_select(1, plan.lp_index).split(plan.lp_splits, 1)
+    for t in range(1, depth):
+        cand = surv.index_select(1, plan.pair_i[t]).add_(lpp[t - 1])
+        key = torch.addcmul(plan.key_neg[t], cand, plan.key_mult[t]).view(torch.int64)
+        val, idx = key.topk(plan.widths[t], dim=1, largest=False, sorted=False)
+        keys.append(val)
+        beam_idx.append(idx)
+        h = plan.survivors[t]
+        if h:
+            sval, spos = val.topk(h, dim=1, largest=False, sorted=True)
+            surv = sval.view(torch.float64).float()
+            surv_pos.append(spos)
+
+    take = plan.take
+    all_keys = torch.cat(keys, 1) if depth > 1 else keys[0]  # [bs, G]
+    # beam slots of the tree nodes, best first
+    sel_keys, sel = all_keys.topk(take, dim=1, largest=False, sorted=True)
+    sel_scores = sel_keys.view(torch.float64).float()
+    valid = sel_scores > float("-inf")  # NaN and -inf are not nodes
+
+    slot = plan.slot_table.index_select(0, sel.view(-1)).view(bs, take, 3)
+    all_idx = torch.cat(beam_idx, 1) if depth > 1 else beam_idx[0]
+    pair_id = all_idx.gather(1, sel).add_(slot[..., 0])
+    pair = plan.pair_table.index_select(0, pair_id.view(-1)).view(bs, take, 2)
+    tok = torch.gather(top_ids[:, :depth, :k].reshape(bs, depth * k), 1, pair[..., 1])
+    if depth > 1:
+        # parent's beam slot -> its node number; slot n_slots is the root (0)
+        par_slot = slot[..., 2] + torch.gather(torch.cat(surv_pos, 1), 1, pair[..., 0])
+        node_of = torch.zeros(bs, all_keys.shape[1] + 1, dtype=torch.long, device=device)
+        node_of.scatter_(1, sel, plan.node_ids.expand(bs, take))
+        par = torch.gather(node_of, 1, par_slot)
+    else:
+        par = torch.zeros_like(sel)
+    # (token, parent, depth) rows; padding and the root are (0, -1, 0)
+    body = torch.where(valid, torch.stack([tok, par, slot[..., 1]]), plan.fill)
+    root = plan.fill.expand(3, bs, 1)
     if root_tokens is not None:
-        tokens[:, 0] = root_tokens.to(device=device, dtype=torch.long).reshape(bs)
-    return DDTree(tokens, parents, depths, scores)
+        rt = root_tokens.to(device=device, dtype=torch.long).reshape(1, bs, 1)
+        root = torch.cat([rt, root[1:]])
+    parts = [root, body]
+    sc_parts = [sel_scores.new_zeros(bs, 1), torch.where(valid, sel_scores, float("-inf"))]
+    if take < budget:
+        parts.append(plan.fill.expand(3, bs, budget - take))
+        sc_parts.append(sel_scores.new_full((bs, budget - take), float("-inf")))
+    out = torch.cat(parts, 2)  # [3, bs, n]: each out[c] is contiguous
+    return DDTree(out[0], out[1], out[2], torch.cat(sc_parts, 1))
 
 
 # ---------------------------------------------------------------------------

@@ -1,29 +1,30 @@
-"""DDTree tree verify: the pure parts of one decode step (ddtree-temp 1.1.0).
+"""DDTree tree verify: the pure parts of one decode step (ddtree-temp 2.0).
 
 Module level imports only stdlib, torch and the other ddtree modules, so every
 function here runs (and is tested) on CPU. The DDTree worker
-(``ddtree_worker.py``) calls them around 0.5.23's DFlash draft forward and the
-target TARGET_VERIFY forward:
+(``ddtree_worker.py``) calls them around 0.5.23's DFlash draft forward, the
+target TARGET_VERIFY forward and SGLang's own acceptance (``eagle_sample``):
 
-1. :func:`ddtree_prepare_verify`: raw draft logits ``[bs, L, V]`` -> per-position
-   top-k log-probs (``log_softmax``, no temperature) -> best-first tree
-   (``build_ddtree_tree``) -> retrieve arrays, ancestors-or-self mask in SGLang's
-   FULL_MASK layout, positions ``prefix + depth``, verify tokens in node order.
-   Verify width ``W = budget + 1`` tokens per request, node ``i`` of request
-   ``b`` at flat row ``b*W + i`` (the retrieve encoding's global index).
-2. :func:`ddtree_accept`: greedy tree verify or the sampling path (CUDA kernel
-   when available, else the reference) on the target logits at the nodes.
-3. :func:`ddtree_commit`: the accepted path in path order (tokens, commit
-   lengths, bonus) and the KV moves that put the accepted nodes' KV at the
-   front of each request's verify window, as EAGLE does for topk > 1
-   (``move_accept_tokens_to_target_kvcache``): target slot ``window[b, k]``
-   receives source slot ``window[b, path[b, k]]`` for ``k <= accepted``.
-   :func:`compact_to_front` is EAGLE's ``_compact_accept_to_front`` (used for the
-   target hidden states that DFlash materialises into the draft KV cache).
+- :func:`vocab_parallel_topk_logprobs`: per-position top-k log-probs of the
+  draft through this rank's LM-head shard, exact over the full vocabulary.
+- :func:`ddtree_prepare_verify`: top-k log-probs (or raw draft logits) ->
+  best-first tree (``build_ddtree_tree``) -> retrieve arrays, ancestors-or-self
+  mask in SGLang's FULL_MASK layout, positions ``prefix + depth``, verify tokens
+  in node order. Verify width ``W = budget + 1`` tokens per request, node ``i``
+  of request ``b`` at flat row ``b*W + i`` (the retrieve encoding's global index).
+- :func:`ddtree_commit_tokens`, :func:`front_rows`: ``eagle_sample``'s outputs ->
+  DFlash's committed-block layout, and the accepted path's rows (target hidden
+  states) in path order for the draft-KV append.
 
 Node order guarantees ``path[b, k] >= k`` (parents precede children), so one
-gather-then-scatter move is exact; the rest of the window (rejected nodes) is
-left for the allocator to reuse, exactly as with EAGLE's over-allocated window.
+gather-then-scatter KV move (SGLang's ``move_accept_tokens_to_target_kvcache``)
+is exact; the rest of the window (rejected nodes) is left for the next step,
+exactly as with EAGLE's over-allocated window.
+
+Kept from 1.x for the CPU proofs against the tiny transformer (they model the
+same step in plain torch): :func:`ddtree_accept`, :func:`ddtree_commit`,
+:func:`accept_kv_moves`, :func:`apply_kv_moves`, :func:`compact_to_front`,
+:func:`front_positions`.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class DDTreeCommit(NamedTuple):
 
 
 def ddtree_prepare_verify(
-    draft_logits: torch.Tensor,
+    draft_logits,
     root_tokens: torch.Tensor,
     prefix_lens: torch.Tensor,
     budget: int,
@@ -73,7 +74,9 @@ def ddtree_prepare_verify(
     seq_lens_sum: Optional[int] = None,
 ) -> DDTreeVerifyPlan:
     """Draft logits of the DFlash block (``[bs, L, V]``: block positions 1..L,
-    i.e. depths 1..L) -> everything the TARGET_VERIFY forward needs.
+    i.e. depths 1..L), or their per-depth top-k ``(log-probs, ids)`` (what the
+    worker computes through the sharded LM head) -> everything the
+    TARGET_VERIFY forward needs.
 
     ``prefix_lens`` [bs] = committed KV length (the root, the last verified
     token, is written at position ``prefix_lens`` by this verify).
@@ -83,16 +86,18 @@ def ddtree_prepare_verify(
     token and position; they are never linked, attend to the prefix and
     themselves, and are never accepted.
     """
-    bs = draft_logits.shape[0]
     cap = budget if topk_cap is None else min(int(topk_cap), int(budget))
-    k = min(cap, draft_logits.shape[-1])
-    top = draft_topk_logprobs(draft_logits, k)
+    if isinstance(draft_logits, (tuple, list)):
+        top = draft_logits  # (log-probs [bs, L, k], ids [bs, L, k]) already ranked
+    else:
+        top = draft_topk_logprobs(draft_logits, min(cap, draft_logits.shape[-1]))
+    bs, depth_max = top[0].shape[0], top[0].shape[1]
     tree = build_ddtree_tree(top, budget, cap, root_tokens=root_tokens)
     retrieve = compile_ddtree_retrieve(tree.parents, tree.scores)
     valid = tree.valid
     tokens = torch.where(valid, tree.tokens, tree.tokens[:, :1])
     positions = ddtree_positions(tree.depths, prefix_lens.to(tree.depths.device))
-    tree_mask = ddtree_tree_mask(tree.parents, max_depth=draft_logits.shape[1])
+    tree_mask = ddtree_tree_mask(tree.parents, max_depth=depth_max)
     custom = None
     if seq_lens_sum is not None:
         custom = ddtree_full_mask(tree_mask, prefix_lens, int(seq_lens_sum))
@@ -197,3 +202,82 @@ def front_positions(prefix_lens: torch.Tensor, width: int) -> torch.Tensor:
     """Positions of the compacted window: ``prefix + k`` ([bs*W] int64), what
     the draft-KV materialisation of the committed tokens uses."""
     return (prefix_lens.long().view(-1, 1) + torch.arange(width, device=prefix_lens.device)).reshape(-1)
+
+
+def vocab_parallel_topk_logprobs(
+    local_logits: torch.Tensor,
+    k: int,
+    *,
+    vocab_start: int = 0,
+    gather=None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Top-``k`` log-probabilities over the whole vocabulary from this TP rank's
+    shard of the logits.
+
+    ``local_logits`` [T, V_local]: rows of the LM head this rank holds (padding
+    excluded), token ids ``vocab_start + column``. ``gather(t)`` stacks a tensor
+    from every rank (``[tp, *t.shape]``, e.g. through ``all_gather_into_tensor``);
+    ``None`` means TP 1. Only ``k`` values, ``k`` ids and one log-sum-exp per row
+    cross ranks. Every rank gathers the same data and runs the same ``topk``, so
+    all ranks build the same tree; the values equal ``draft_topk_logprobs`` on
+    the full logits (on exact ties the chosen ids may differ from it, as
+    ``torch.topk`` does not order ties). Entries beyond the vocabulary (a
+    vocabulary smaller than k) are -inf, which the tree builder never selects.
+    Returns (log-probs [T, k] float32 descending, ids [T, k] int64).
+    """
+    logits = local_logits.float()
+    rows, v_local = logits.shape
+    kk = min(int(k), v_local)
+    vals, idx = torch.topk(logits, kk, dim=-1, largest=True, sorted=True)
+    idx = idx + int(vocab_start)
+    lse = torch.logsumexp(logits, dim=-1)
+    if kk < k:  # a shard smaller than k: pad so every rank sends k entries
+        vals = torch.cat([vals, vals.new_full((rows, k - kk), float("-inf"))], dim=1)
+        idx = torch.cat([idx, idx.new_zeros((rows, k - kk))], dim=1)
+    if gather is None:
+        return vals[:, :kk] - lse.unsqueeze(1), idx[:, :kk]
+    g_vals = gather(vals)  # [tp, T, k]
+    g_idx = gather(idx)
+    g_lse = gather(lse)  # [tp, T]
+    tp = g_vals.shape[0]
+    total_lse = torch.logsumexp(g_lse, dim=0)
+    cand_vals = g_vals.permute(1, 0, 2).reshape(rows, tp * k)
+    cand_idx = g_idx.permute(1, 0, 2).reshape(rows, tp * k)
+    top_vals, pos = torch.topk(cand_vals, int(k), dim=-1, largest=True, sorted=True)
+    return top_vals - total_lse.unsqueeze(1), torch.gather(cand_idx, 1, pos)
+
+
+def ddtree_commit_tokens(
+    predict: torch.Tensor, accept_index: torch.Tensor, accept_lens: torch.Tensor, width: int
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``eagle_sample``'s outputs -> DFlash's committed-block layout: tokens in
+    path order ``[bs, width]`` (0 past the path), commit lengths (int32,
+    accepted drafts + bonus) and the bonus token (the next step's root).
+    ``accept_index`` holds global node rows (``b*W + i``), -1 padded."""
+    bs, s = accept_index.shape
+    idx = accept_index.long()
+    lens = accept_lens.long()
+    k = torch.arange(s, device=idx.device).unsqueeze(0)
+    live = (k < lens.unsqueeze(1)) & (idx >= 0)
+    toks = torch.where(live, predict.long()[idx.clamp(min=0)], torch.zeros_like(idx))
+    out = torch.zeros(bs, width, dtype=torch.long, device=idx.device)
+    n = min(s, width)
+    out[:, :n] = toks[:, :n]
+    row = torch.arange(bs, device=idx.device)
+    bonus = out[row, (lens - 1).clamp(min=0, max=width - 1)]
+    return out, lens.to(torch.int32), bonus
+
+
+def front_rows(x: torch.Tensor, accept_index: torch.Tensor, width: int) -> torch.Tensor:
+    """Rows of the accepted path, in path order, at the front of a ``[bs * width]``
+    block (what the DFlash draft-KV append reads for positions prefix + k);
+    rows past the path are zeros (the append writes only ``commit_lens`` rows).
+    ``x`` is node-indexed ``[bs * W, ...]``, ``accept_index`` global rows."""
+    bs, s = accept_index.shape
+    n = min(s, width)
+    idx = accept_index[:, :n].long()
+    out = x.new_zeros((bs, width) + tuple(x.shape[1:]))
+    picked = x[idx.clamp(min=0).reshape(-1)].view((bs, n) + tuple(x.shape[1:]))
+    keep = (idx >= 0).view((bs, n) + (1,) * (x.dim() - 1))
+    out[:, :n] = torch.where(keep, picked, torch.zeros_like(picked))
+    return out.view((bs * width,) + tuple(x.shape[1:]))

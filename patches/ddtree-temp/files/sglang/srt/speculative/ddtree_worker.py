@@ -1,21 +1,34 @@
-"""DDTree worker for SGLang 0.5.23 (ddtree-temp patch set).
+"""DDTree worker for SGLang 0.5.23 (ddtree-temp patch set, 2.0).
 
-Module level imports only stdlib, torch and the other ddtree modules; the
-DFlash worker (and through it SGLang's scheduler, kernels and model code) is
-imported by :func:`get_ddtree_worker_cls` on first use, the way SGLang's spec
-registry imports workers lazily.
+One decode step, the way 0.5.23's n-gram worker verifies a tree:
 
-STATUS (see patches/ddtree-temp/README.md): version 1.1.0 adds the tree
-verify step (``DDTreeWorkerV2._ddtree_decode``): DFlash draft block (eager) ->
-top-k draft log-probs -> DDTree -> ``DDTreeVerifyInput`` (a DFlashVerifyInput
-with node-order tokens, positions prefix + depth, FULL_MASK custom mask, width
-budget + 1, eager) -> tree greedy verify / sampling path -> accepted path
-committed in path order, its target KV moved to the window front (EAGLE's
-topk > 1 scheme), its hidden states compacted and materialised into the draft
-KV. The pure parts are in ddtree_verify and proven on CPU; the GPU step has
-NOT been executed. It runs only with ``--speculative-ddtree-tree-verify`` and
-when :func:`tree_verify_blockers` finds nothing; otherwise DDTree decodes with
-DFlash's own chain verify, which is lossless at every temperature.
+1. **Draft.** The DFlash drafter runs its block ``[bonus, mask, ...]`` exactly as
+   ``DFlashWorkerV2`` does (draft CUDA graphs included); instead of the
+   argmax, the target's LM head gives per-position top-k log-probs
+   (:func:`ddtree_verify.vocab_parallel_topk_logprobs`: exact under TP, only
+   k values per rank are gathered).
+2. **Tree.** :func:`ddtree_verify.ddtree_prepare_verify` builds the best-first
+   tree (static shapes, no host sync), its retrieve arrays, positions
+   ``prefix + depth`` and the FULL_MASK custom mask.
+3. **Verify.** A :class:`DDTreeVerifyInput` (a ``DFlashVerifyInput`` carrying the
+   tree) goes through ``prepare_for_verify`` and the target worker's
+   ``forward_batch_generation(is_verify=True)`` in ``TARGET_VERIFY`` mode: the
+   model runner's CUDA-graph runner (captured ``budget + 1`` wide with the mask
+   path, see the patched spec_info / dflash_utils / triton_backend), the model's
+   own logits processor under TP and the triton attention backend (MHA or MLA)
+   apply unchanged.
+4. **Accept.** ``eagle_sample`` (SGLang's ``verify_tree_greedy`` /
+   ``tree_speculative_sampling_target_only`` kernels, temperature / top-k /
+   top-p as EAGLE's verify).
+5. **Commit.** ``move_accept_tokens_to_target_kvcache`` puts the accepted
+   nodes' target KV at the front of the window (as the n-gram worker does), the
+   committed tokens come back in DFlash's ``[bs, block_size]`` layout, and the
+   accepted path's target hidden states are materialised into the DFlash draft
+   KV (DFlash's own ``_append_target_hidden_to_draft_kv_by_loc``).
+
+Module level imports only stdlib and torch (the test hosts' stand-in server
+imports every ddtree module without SGLang's dependencies); the SGLang classes
+are built on first use by :func:`get_ddtree_worker_cls`.
 """
 
 from __future__ import annotations
@@ -25,133 +38,85 @@ from typing import Optional
 
 import torch
 
-from sglang.srt.speculative.ddtree_utils import (
-    DDTree,
-    RetrieveEncoding,
-    build_ddtree_tree,
-    compile_ddtree_retrieve,
-    ddtree_positions,
-    ddtree_tree_mask,
-    draft_topk_logprobs,
-)
-
 logger = logging.getLogger(__name__)
 
 _WORKER_CLS: Optional[type] = None
 
 
 class DDTreeConfig:
-    def __init__(self, budget: int, topk_cap: int, debug_metrics: bool = False):
-        if budget < 1 or not 1 <= topk_cap <= budget:
-            raise ValueError(f"invalid DDTree config budget={budget} topk_cap={topk_cap}")
+    """The tree's static shape: every tensor of a step is sized from these."""
+
+    def __init__(self, budget: int, topk_cap: int, block_size: int):
+        if budget < 1 or not 1 <= topk_cap <= budget or block_size < 2:
+            raise ValueError(
+                f"invalid DDTree config budget={budget} topk_cap={topk_cap} block_size={block_size}"
+            )
         self.budget = int(budget)
         self.topk_cap = int(topk_cap)
-        self.debug_metrics = bool(debug_metrics)
+        self.block_size = int(block_size)
 
     @property
     def verify_width(self) -> int:
+        """W: tokens the target verifies per request (root + budget nodes)."""
         return self.budget + 1
 
+    @property
+    def max_depth(self) -> int:
+        """Deepest draft node: one per DFlash block position, at most the budget."""
+        return min(self.budget, self.block_size - 1)
+
+    @property
+    def accept_width(self) -> int:
+        """Columns of ``accept_index``: the root plus the deepest path."""
+        return self.max_depth + 1
+
+    @property
+    def draft_topk(self) -> int:
+        """Tokens per depth that can enter the tree."""
+        return self.topk_cap
+
     @classmethod
-    def from_server_args(cls, server_args) -> "DDTreeConfig":
+    def from_server_args(cls, server_args, block_size: int) -> "DDTreeConfig":
         budget = getattr(server_args, "speculative_ddtree_budget", None)
         cap = getattr(server_args, "speculative_ddtree_topk_cap", None)
         if budget is None:
             raise ValueError("DDTree worker needs speculative_ddtree_budget")
-        return cls(budget, cap if cap is not None else budget,
-                   getattr(server_args, "speculative_ddtree_debug_metrics", False))
+        return cls(budget, cap if cap is not None else budget, block_size)
 
 
-class DDTreePlan:
-    """Everything the target verify forward needs for one step."""
-
-    def __init__(self, tree: DDTree, retrieve: RetrieveEncoding, positions: torch.Tensor, tree_mask: torch.Tensor):
-        self.tree = tree
-        self.retrieve = retrieve
-        self.positions = positions
-        self.tree_mask = tree_mask
-
-
-def plan_ddtree_step(
-    draft_logits: torch.Tensor,
-    root_tokens: torch.Tensor,
-    seq_lens: torch.Tensor,
-    config: DDTreeConfig,
-) -> DDTreePlan:
-    """Draft logits [bs, L, V] of the DFlash block (positions 1..L) -> tree,
-    kernel encoding, positions (seq_lens + depth) and ancestor mask."""
-    k = min(config.topk_cap, config.budget, draft_logits.shape[-1])
-    top = draft_topk_logprobs(draft_logits, k)
-    tree = build_ddtree_tree(top, config.budget, config.topk_cap, root_tokens=root_tokens)
-    retrieve = compile_ddtree_retrieve(tree.parents, tree.scores)
-    positions = ddtree_positions(tree.depths, seq_lens)
-    mask = ddtree_tree_mask(tree.parents, max_depth=draft_logits.shape[1])
-    return DDTreePlan(tree, retrieve, positions, mask)
-
-
-# Attention backends whose *eager* TARGET_VERIFY honours
-# DFlashVerifyInput.custom_mask in 0.5.23 (flashinfer_backend.py: the
-# DFLASH_VERIFY branch of the prefill indices updater passes
-# generate_attn_arg_prefill's mask to plan(); triton_backend.py:
-# init_forward_metadata's target-verify branch reads spec_info.custom_mask with
-# mask_indptr = W * (seq_lens + W)). Other backends gate tree masks on topk > 1
-# or ignore the mask: they would verify a tree with a causal mask (wrong).
-MASK_BACKENDS = ("FlashInferAttnBackend", "TritonAttnBackend")
-
-
-def tree_verify_blockers(
-    *,
-    enabled: bool,
-    attn_backend: str,
-    page_size: int,
-    head_tp_size: int,
-    attn_dp: bool,
-    compact_draft_cache: bool,
-    mamba: bool,
-    selector: bool,
-    domino: bool,
-    simulate_acc: bool,
-    ragged_verify: bool,
-) -> list:
-    """Static reasons the tree verify cannot run (empty list = it may).
-    Any reason keeps DDTree on DFlash's chain verify (lossless)."""
+def model_refusals(*, mamba: bool, selector: bool, domino: bool, quantized_head_tp: bool) -> list:
+    """Reasons, known only once the models are loaded, why DDTREE cannot serve
+    them (the server refuses to start with these; options are refused earlier,
+    when the arguments are parsed, by ddtree_args)."""
     why = []
-    if not enabled:
-        why.append("--speculative-ddtree-tree-verify is off")
-    if attn_backend not in MASK_BACKENDS:
-        why.append(f"attention backend {attn_backend} does not apply a custom verify mask")
-    if page_size != 1:
-        why.append(f"page size {page_size} != 1 (window KV moves assume token pages)")
-    if head_tp_size != 1:
-        why.append("vocab-parallel draft head (TP > 1): top-k needs gathered logits")
-    if attn_dp:
-        why.append("DP attention")
-    if compact_draft_cache:
-        why.append("sliding-window (compact) draft cache")
     if mamba:
-        why.append("mamba/hybrid target state")
+        why.append("the target has mamba/linear-attention state (a tree verify cannot roll it back per branch)")
     if selector:
-        why.append("selector/LiLiCorr draft head")
+        why.append("the DFlash draft has a selector/LiLiCorr head (it samples one chain, not per-depth top-k)")
     if domino:
-        why.append("Domino draft rollout")
-    if simulate_acc:
-        why.append("simulated acceptance")
-    if ragged_verify:
-        why.append("ragged verify layout")
+        why.append("the DFlash draft is a Domino rollout (one chain, not per-depth top-k)")
+    if quantized_head_tp:
+        why.append("the target lm_head is quantised and TP > 1 (no exact sharded top-k)")
     return why
 
 
-def batch_blockers(*, has_grammar: bool, return_logprob: bool) -> list:
-    """Per-batch reasons (these batches use the chain verify for that step)."""
-    why = []
-    if has_grammar:
-        why.append("grammar")
-    if return_logprob:
-        why.append("return_logprob")
-    return why
+def host_prefix_bound(seq_lens_cpu, nxt_kv_lens_cpu, context_len: int, block_size: int) -> torch.Tensor:
+    """Host lengths, per request, at least the committed prefix on the device:
+    exact when the scheduler mirrored them (``seq_lens_cpu``), else the
+    reservation capped at ``context_len + block_size`` (a request's last
+    overlapped step can run up to one block past its context, never further).
+    They size the FULL_MASK without a device->host sync; offsets inside it come
+    from the exact device lengths."""
+    if seq_lens_cpu is not None:
+        return seq_lens_cpu.to(torch.int64)
+    if nxt_kv_lens_cpu is None:
+        raise RuntimeError("DDTREE verify needs seq_lens_cpu or the reserved lengths on the host")
+    return torch.clamp(nxt_kv_lens_cpu.to(torch.int64), max=int(context_len) + int(block_size))
 
 
 def _build_worker_cls() -> type:
+    from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
+    from sglang.srt.layers.logprob_processor import compute_spec_logprobs
     from sglang.srt.lora.layers import unwrap_lora_layer
     from sglang.srt.managers.scheduler import GenerationBatchResult
     from sglang.srt.model_executor.forward_batch_info import (
@@ -160,156 +125,207 @@ def _build_worker_cls() -> type:
         ForwardMode,
         enable_num_token_non_padded,
     )
-    from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
-    from sglang.srt.runtime_context import get_parallel, get_schedule
+    from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.speculative.ddtree_verify import (
+        ddtree_commit_tokens,
+        ddtree_prepare_verify,
+        front_rows,
+        vocab_parallel_topk_logprobs,
+    )
     from sglang.srt.speculative.dflash_info import DFlashVerifyInput
-    from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjustments
     from sglang.srt.speculative.dflash_worker_v2 import (
         DFlashWorkerV2,
         _resolve_dflash_embedding_module,
     )
-    from sglang.srt.speculative.dspark_components.dspark_draft import resolve_greedy_mask
+    from sglang.srt.speculative.eagle_utils import eagle_sample
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from sglang.srt.speculative.spec_tp_sync import SpecTpSyncSite
-    from sglang.srt.speculative.spec_utils import SIMULATE_ACC_LEN, draft_tp_context
-    from sglang.srt.speculative.ddtree_verify import (
-        accept_kv_moves,
-        compact_to_front,
-        ddtree_accept,
-        ddtree_commit,
-        ddtree_prepare_verify,
-        front_positions,
+    from sglang.srt.speculative.spec_utils import (
+        GrammarTree,
+        build_grammar_vocab_mask,
+        draft_tp_context,
+        move_accept_tokens_to_target_kvcache,
     )
 
     class DDTreeVerifyInput(DFlashVerifyInput):
-        """DFlash verify input carrying a draft tree: ``draft_token`` in node
-        order, ``positions`` = prefix + depth, ``custom_mask`` FULL_MASK,
-        ``draft_token_num`` = W = budget + 1. Always eager: the captured
-        target-verify graphs are block_size wide and causal (flashinfer
-        asserts capture and replay agree on the custom mask)."""
+        """A DFlash verify input carrying a draft tree, shaped as 0.5.23's
+        ``NgramVerifyInput``: ``draft_token`` in node order (node i of request b
+        at row ``b*W + i``), ``positions`` = prefix + depth, ``custom_mask`` in
+        FULL_MASK layout and the kernel's retrieve arrays. Being a
+        ``DFlashVerifyInput`` (``DFLASH_VERIFY``), it takes the same attention,
+        CUDA-graph and logits paths as DFlash's verify; ``generate_attn_arg_prefill``
+        and ``filter_batch`` / ``merge_batch`` are DFlash's (the verify input lives
+        for one forward, the draft state across steps is DFlash's)."""
 
-        def prepare_for_verify(self, batch, target_worker, *, defer_metadata_init=False):
-            batch.input_ids = self.draft_token
-            batch.spec_info = self
-            batch.forward_mode = ForwardMode.TARGET_VERIFY
-            fb = ForwardBatch.init_new(
-                batch,
-                target_worker.model_runner,
-                capture_hidden_mode=self.capture_hidden_mode,
-                return_hidden_states_before_norm=False,
-                kv_loc_plan=self.kv_loc_plan,
-                write_cols=self.kv_loc_cols,
+        def __init__(
+            self,
+            *,
+            draft_token: torch.Tensor,
+            positions: torch.Tensor,
+            draft_token_num: int,
+            custom_mask: torch.Tensor,
+            retrieve_index: torch.Tensor,
+            retrieve_next_token: torch.Tensor,
+            retrieve_next_sibling: torch.Tensor,
+            max_depth: int,
+            kv_loc_plan=None,
+        ):
+            super().__init__(
+                draft_token=draft_token,
+                positions=positions,
+                draft_token_num=int(draft_token_num),
+                custom_mask=custom_mask,
+                capture_hidden_mode=CaptureHiddenMode.FULL,
+                kv_loc_plan=kv_loc_plan,
             )
-            fb.can_run_decode_cuda_graph = False
-            target_worker.model_runner.attn_backend.init_forward_metadata(fb)
-            return fb, False
+            self.retrieve_index = retrieve_index
+            self.retrieve_next_token = retrieve_next_token
+            self.retrieve_next_sibling = retrieve_next_sibling
+            self._max_depth = int(max_depth)
+
+        # eagle_sample's view of the tree (as NgramVerifyInput exposes it)
+        @property
+        def max_tree_depth(self) -> int:
+            return self._max_depth + 1
+
+        @property
+        def tree_topk(self) -> int:
+            return -1  # irregular tree: per-node branching
 
     class DDTreeWorkerV2(DFlashWorkerV2):
-        """DFlash worker that verifies a DDTree draft tree (see module docstring).
-
-        Chain verify (DFlash's own forward) is used whenever
-        :func:`tree_verify_blockers` or :func:`batch_blockers` name a reason;
-        the reasons are logged once at start-up.
-        """
+        """DFlash worker whose decode step verifies a DDTree (module docstring)."""
 
         def __init__(self, server_args, *args, **kwargs):
             super().__init__(server_args, *args, **kwargs)
-            self.ddtree_config = DDTreeConfig.from_server_args(server_args)
-            self._ddtree_blockers = None
-            self._ddtree_enabled = bool(
-                getattr(server_args, "speculative_ddtree_tree_verify", False)
+            self.ddtree_config = DDTreeConfig.from_server_args(server_args, int(self.block_size))
+            target_model = self.target_worker.model_runner.model
+            lm_head = unwrap_lora_layer(getattr(target_model, "lm_head", None))
+            weight = getattr(lm_head, "weight", None)
+            dense = weight is not None and weight.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            why = model_refusals(
+                mamba=bool(self._need_mamba_verify_commit),
+                selector=self.selector is not None or self.lilicorr is not None,
+                domino=bool(self._is_domino),
+                quantized_head_tp=(not dense) and int(get_parallel().tp_group.world_size) > 1,
             )
-
-        def _ddtree_static_blockers(self) -> list:
-            if self._ddtree_blockers is None:
-                import os
-
-                target_model = self.target_worker.model_runner.model
-                lm_head = unwrap_lora_layer(getattr(target_model, "lm_head", None))
-                head_tp = int(getattr(lm_head, "tp_size", 1) or 1)
-                if getattr(lm_head, "weight", None) is None or getattr(
-                    getattr(lm_head, "quant_method", None), "__class__", type(None)
-                ).__name__ not in ("UnquantizedEmbeddingMethod", "NoneType"):
-                    head_tp = max(head_tp, 2)  # quantised head: no plain matmul
-                self._ddtree_blockers = tree_verify_blockers(
-                    enabled=self._ddtree_enabled,
-                    attn_backend=type(self.target_worker.model_runner.attn_backend).__name__,
-                    page_size=int(get_schedule().page_size),
-                    head_tp_size=head_tp,
-                    attn_dp=bool(get_parallel().attn_dp_enabled),
-                    compact_draft_cache=bool(self.use_compact_draft_cache),
-                    mamba=bool(self._need_mamba_verify_commit),
-                    selector=self.selector is not None or self.lilicorr is not None,
-                    domino=bool(self._is_domino),
-                    simulate_acc=SIMULATE_ACC_LEN > 0,
-                    ragged_verify=bool(os.environ.get("SGLANG_RAGGED_VERIFY_MODE")),
+            if why:
+                raise ValueError("--speculative-algorithm DDTREE cannot serve this model: " + "; ".join(why) + ".")
+            if int(get_parallel().tp_rank) == 0:
+                logger.info(
+                    "DDTREE: budget=%d topk_cap=%d block=%d -> verify %d tokens per request "
+                    "(max depth %d), tree verify through TARGET_VERIFY.",
+                    self.ddtree_config.budget,
+                    self.ddtree_config.topk_cap,
+                    self.ddtree_config.block_size,
+                    self.ddtree_config.verify_width,
+                    self.ddtree_config.max_depth,
                 )
-                if self._ddtree_blockers:
-                    logger.warning(
-                        "DDTREE budget=%d topk_cap=%d: tree verify disabled (%s); "
-                        "decoding uses DFlash's lossless chain verify.",
-                        self.ddtree_config.budget,
-                        self.ddtree_config.topk_cap,
-                        "; ".join(self._ddtree_blockers),
-                    )
-                else:
-                    logger.warning(
-                        "DDTREE budget=%d topk_cap=%d: EXPERIMENTAL tree verify on "
-                        "(eager target verify, %d tokens per request).",
-                        self.ddtree_config.budget,
-                        self.ddtree_config.topk_cap,
-                        self.ddtree_config.verify_width,
-                    )
-            return self._ddtree_blockers
 
-        def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None,
-                                     pp_proxy_tensors=None):
+        # The DFlash in-graph greedy head would hide the draft hidden states;
+        # the tree needs top-k log-probs, computed after the draft forward.
+        def _maybe_build_draft_sampler(self):
+            return None
+
+        def _prewarm_batch_size(self, block_size: int) -> int:
+            # The tree verify samples over budget + 1 rows per request.
+            return super()._prewarm_batch_size(self.ddtree_config.verify_width)
+
+        def prewarm_sampling(self):
+            """Rehearse the sampled tree verify at its largest batch, so the
+            probability tensors ``eagle_sample`` allocates (``[bs, W, V]`` float32:
+            the softmax, its top-p renormalisation, the zero draft_probs) are
+            reserved at start-up instead of failing under traffic."""
+            from sglang.kernels.ops.sampling import softmax as sampling_softmax
+            from sglang.kernels.ops.sampling.renorm import top_p_renorm_prob
+            from sglang.srt.model_executor.model_runner import SamplingPrewarmResult
+            from sglang.srt.utils import is_cuda
+
+            if not is_cuda():
+                return self.model_runner.prewarm_sampling()
+            W = self.ddtree_config.verify_width
+            vocab = int(self.model_config.vocab_size)
+            bs = self._prewarm_batch_size(W)
+            rows = bs * W
+            logits = torch.zeros((rows, vocab), dtype=torch.float32, device=self.device)
+
+            def peak() -> int:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_stats()["allocated_bytes.all.current"]
+                probs = sampling_softmax(
+                    logits, temperatures=torch.ones((rows, 1), dtype=torch.float32, device=self.device)
+                )
+                probs = top_p_renorm_prob(
+                    probs, torch.full((rows,), 0.95, dtype=torch.float32, device=self.device)
+                )
+                draft = torch.zeros_like(probs.view(bs, W, vocab))
+                del probs, draft
+                torch.cuda.synchronize()
+                return torch.cuda.memory_stats()["allocated_bytes.all.peak"] - base
+
+            peak()  # kernels' lifetime workspaces land outside the measurement
+            measured = peak()
+            input_bytes = logits.numel() * logits.element_size()
+            result = SamplingPrewarmResult(
+                sampling_input_bytes=input_bytes, sampling_headroom_bytes=measured + input_bytes
+            )
+            self.model_runner.sampling_prewarm_result = result
+            logger.info("DDTREE sampling pre-warm: bs=%d width=%d peak=%d B", bs, W, measured)
+            return result
+
+        def forward_batch_generation(
+            self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None
+        ):
             if (
                 batch.forward_mode.is_extend()
                 or batch.is_extend_in_batch
                 or batch.forward_mode.is_idle()
-                or self._ddtree_static_blockers()
-                or batch_blockers(
-                    has_grammar=bool(batch.has_grammar),
-                    return_logprob=bool(batch.return_logprob),
-                )
             ):
+                # Prefill (draft KV of the prompt) and idle ranks: DFlash's own.
                 return super().forward_batch_generation(
                     batch,
                     on_publish=on_publish,
                     grammar_barrier=grammar_barrier,
                     pp_proxy_tensors=pp_proxy_tensors,
                 )
-            return self._ddtree_decode(batch, on_publish)
+            return self.ddtree_decode(batch, on_publish=on_publish, grammar_barrier=grammar_barrier)
 
-        # -- the tree decode step (NOT EXECUTED: needs a GPU) -----------------
-        def _ddtree_decode(self, batch, on_publish):
-            cfg = self.ddtree_config
+        # -- one decode step, in runbook order --------------------------------
+        def ddtree_decode(self, batch, *, on_publish=None, grammar_barrier=None):
             draft_input = batch.spec_info
-            batch.seq_lens.record_stream(
-                torch.get_device_module(self.device).current_stream()
+            batch.seq_lens.record_stream(torch.get_device_module(self.device).current_stream())
+            host_prefix = host_prefix_bound(
+                batch.seq_lens_cpu,
+                getattr(draft_input, "nxt_kv_lens_cpu", None),
+                int(self.model_runner.model_config.context_len),
+                int(self.block_size),
             )
+            draft_hidden, block_plan = self.ddtree_draft_block(batch, draft_input)
+            top_lp, top_ids = self.ddtree_draft_topk(draft_hidden)
+            verify_input = self.ddtree_verify_input(batch, draft_input, top_lp, top_ids, host_prefix)
+            target_out, logits_output = self.ddtree_target_verify(batch, draft_input, verify_input)
+            return self.ddtree_accept_and_commit(
+                batch, verify_input, target_out, logits_output, block_plan,
+                on_publish=on_publish, grammar_barrier=grammar_barrier,
+            )
+
+        def ddtree_draft_block(self, batch, draft_input):
+            """The DFlash draft forward on ``[bonus, mask, ...]`` at positions
+            prefix..prefix+block-1 (DFlashWorkerV2's own construction, graphs
+            included). Returns the hidden states of block positions 1..L and the
+            block window's KV plan (the draft-KV append reuses it)."""
             bs = len(batch.seq_lens)
             device = self.device
             block_size = int(self.block_size)
-            W = cfg.verify_width
-            runner = self.target_worker.model_runner
-            req_to_token = self.model_runner.req_to_token_pool.req_to_token
             prefix_lens = batch.seq_lens
+            req_to_token = self.model_runner.req_to_token_pool.req_to_token
+            target_model = self.target_worker.model_runner.model
 
-            # 1) DFlash draft block, as DFlashWorkerV2 (eager path), eager draft
-            target_model = runner.model
-            embed_module = unwrap_lora_layer(
-                _resolve_dflash_embedding_module(self.draft_model, target_model)
-            )
-            lm_head = unwrap_lora_layer(getattr(target_model, "lm_head", None))
             block_ids = torch.full(
                 (bs, block_size), int(self._mask_token_id), dtype=torch.long, device=device
             )
-            block_ids[:, 0].copy_(draft_input.bonus_tokens)
-            block_positions = (
-                prefix_lens.unsqueeze(1).to(torch.int64) + self._block_pos_offsets
-            ).reshape(-1)
+            block_ids[:, 0].copy_(draft_input.bonus_tokens.view(-1))
+            positions = (prefix_lens.unsqueeze(1).to(torch.int64) + self._block_pos_offsets).reshape(-1)
             block_loc = assign_extend_cache_locs_func(
                 req_pool_indices=batch.req_pool_indices,
                 req_to_token=req_to_token,
@@ -322,34 +338,38 @@ def _build_worker_cls() -> type:
             if self._full_embed_gpu is not None:
                 noise = torch.nn.functional.embedding(block_ids, self._full_embed_gpu)
             else:
-                noise = embed_module(block_ids)
+                embed = unwrap_lora_layer(_resolve_dflash_embedding_module(self.draft_model, target_model))
+                noise = embed(block_ids)
             if self._noise_embed_scale != 1.0:
                 noise = noise * self._noise_embed_scale
-            seq_lens_cpu_bound = (
-                batch.seq_lens_cpu
-                if batch.seq_lens_cpu is not None
-                else draft_input.nxt_kv_lens_cpu
-            )
-            block_plan = runner.kv_index_translator.plan(
+
+            block_plan = self.target_worker.model_runner.kv_index_translator.plan(
                 req_pool_indices=batch.req_pool_indices,
                 seq_lens=prefix_lens,
-                seq_lens_cpu=seq_lens_cpu_bound,
+                seq_lens_cpu=(
+                    batch.seq_lens_cpu if batch.seq_lens_cpu is not None else draft_input.nxt_kv_lens_cpu
+                ),
                 write_virtual=block_loc,
                 read_extent=block_size,
             )
-            # Exact host lengths (one sync; the tree path is eager anyway).
-            prefix_cpu = prefix_lens.to("cpu", dtype=torch.int64)
-            prefix_sum = int(prefix_cpu.sum())
-            draft_fb = ForwardBatch(
+            if batch.seq_lens_cpu is not None:
+                draft_seq_lens_cpu = batch.seq_lens_cpu.to(torch.int64) + block_size
+            elif draft_input.nxt_kv_lens_cpu is not None:
+                draft_seq_lens_cpu = draft_input.nxt_kv_lens_cpu.to(torch.int64)
+            else:
+                draft_seq_lens_cpu = torch.tensor(
+                    [req.kv.kv_allocated_len for req in batch.reqs], dtype=torch.int64
+                )
+            forward_batch = ForwardBatch(
                 forward_mode=ForwardMode.TARGET_VERIFY,
                 batch_size=bs,
                 input_ids=block_ids.flatten(),
                 req_pool_indices=batch.req_pool_indices,
                 seq_lens=prefix_lens,
                 out_cache_loc=block_loc,
-                seq_lens_sum=prefix_sum + bs * block_size,
-                seq_lens_cpu=prefix_cpu + block_size,
-                positions=block_positions,
+                seq_lens_sum=int(draft_seq_lens_cpu.sum()),
+                seq_lens_cpu=draft_seq_lens_cpu,
+                positions=positions,
                 input_embeds=noise.view(-1, noise.shape[-1]),
                 spec_algorithm=SpeculativeAlgorithm.DFLASH,
                 spec_info=self._draft_block_spec_info,
@@ -360,145 +380,199 @@ def _build_worker_cls() -> type:
                     else None
                 ),
                 global_num_token_non_padded_cpu=bs * block_size,
-                can_run_decode_cuda_graph=False,  # keep hidden states (no in-graph argmax)
+                can_run_decode_cuda_graph=batch.can_run_decode_cuda_graph,
             )
-            block_plan.bind(draft_fb, self.draft_model_runner.kv_index_translator)
+            block_plan.bind(forward_batch, self.draft_model_runner.kv_index_translator)
             with torch.inference_mode(), draft_tp_context(self.draft_parallel_layout):
-                draft_out = self.draft_model_runner.forward(draft_fb)
-            draft_hidden = draft_out.logits_output.hidden_states
-            if draft_hidden is None:
-                raise RuntimeError("DDTREE: DFLASH draft model returned no hidden states.")
-            draft_hidden = draft_hidden.view(bs, block_size, -1)[:, 1:, :]
-            shard = getattr(lm_head, "shard_indices", None)
-            vocab = (
-                int(shard.num_org_elements)
-                if shard is not None
-                else int(runner.model_config.vocab_size)
-            )
-            weight = lm_head.weight[:vocab]  # TP 1: rows are token ids 0..vocab-1
-            draft_logits = torch.matmul(draft_hidden.to(weight.dtype), weight.T)
+                draft_out = self.draft_model_runner.forward(forward_batch)
+            hidden = draft_out.logits_output.hidden_states
+            if hidden is None:
+                raise RuntimeError("DDTREE: the DFlash draft model returned no hidden states.")
+            hidden = hidden[: bs * block_size].view(bs, block_size, -1)[:, 1:, :]
+            return hidden, block_plan
 
-            # 2) tree, retrieve arrays, FULL_MASK, positions (ddtree_verify)
+        def ddtree_draft_topk(self, draft_hidden):
+            """Per-depth top-k log-probs of the draft positions through the
+            target's LM head, exact over the whole vocabulary under TP."""
+            bs, depth, hidden_size = draft_hidden.shape
+            lm_head = unwrap_lora_layer(getattr(self.target_worker.model_runner.model, "lm_head", None))
+            shard = getattr(lm_head, "shard_indices", None)
+            tp_group = get_parallel().tp_group
+            tp_size = int(tp_group.world_size)
+            if shard is not None:
+                num_org, vocab_start = int(shard.num_org_elements), int(shard.org_vocab_start_index)
+            else:
+                num_org, vocab_start = int(self.model_runner.model_config.vocab_size), 0
+            hs = draft_hidden.reshape(-1, hidden_size)
+            weight = getattr(lm_head, "weight", None)
+            if weight is not None and weight.dtype in (torch.float16, torch.bfloat16, torch.float32):
+                local = torch.matmul(hs.to(weight.dtype), weight[:num_org].T)
+            else:  # quantised head (TP 1, checked at start-up): the layer's own kernel
+                local = lm_head.quant_method.apply(lm_head, hs, None)[:, :num_org]
+
+            def gather(t: torch.Tensor) -> torch.Tensor:
+                out = torch.empty((tp_size * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+                tp_group.all_gather_into_tensor(out, t.contiguous())
+                return out.view((tp_size,) + tuple(t.shape))
+
+            lp, ids = vocab_parallel_topk_logprobs(
+                local,
+                self.ddtree_config.draft_topk,
+                vocab_start=vocab_start,
+                gather=gather if tp_size > 1 else None,
+            )
+            k = lp.shape[-1]
+            return lp.view(bs, depth, k), ids.view(bs, depth, k)
+
+        def ddtree_verify_input(self, batch, draft_input, top_lp, top_ids, host_prefix):
+            """Tree -> ``DDTreeVerifyInput`` over ``req_to_token[prefix : prefix + W]``
+            (the window the patched DFlash reservation covers)."""
+            cfg = self.ddtree_config
+            bs = len(batch.seq_lens)
+            prefix_lens = batch.seq_lens
             plan = ddtree_prepare_verify(
-                draft_logits,
+                (top_lp, top_ids),
                 draft_input.bonus_tokens.view(-1),
                 prefix_lens,
                 cfg.budget,
                 cfg.topk_cap,
-                seq_lens_sum=prefix_sum,
+                seq_lens_sum=int(host_prefix.sum()),
             )
+            W = cfg.verify_width
             tree_loc = assign_extend_cache_locs_func(
                 req_pool_indices=batch.req_pool_indices,
-                req_to_token=req_to_token,
+                req_to_token=self.model_runner.req_to_token_pool.req_to_token,
                 start_offset=prefix_lens,
                 end_offset=prefix_lens + W,
                 batch_size=bs,
                 draft_token_num=W,
-                device=device,
+                device=self.device,
             )
-            tree_plan = runner.kv_index_translator.plan(
+            tree_plan = self.target_worker.model_runner.kv_index_translator.plan(
                 req_pool_indices=batch.req_pool_indices,
                 seq_lens=prefix_lens,
-                seq_lens_cpu=seq_lens_cpu_bound,
+                seq_lens_cpu=(
+                    batch.seq_lens_cpu if batch.seq_lens_cpu is not None else draft_input.nxt_kv_lens_cpu
+                ),
                 write_virtual=tree_loc,
                 read_extent=W,
             )
-            verify_input = DDTreeVerifyInput(
+            batch.out_cache_loc = tree_loc
+            return DDTreeVerifyInput(
                 draft_token=plan.draft_token,
                 positions=plan.positions,
                 draft_token_num=W,
                 custom_mask=plan.custom_mask,
-                capture_hidden_mode=CaptureHiddenMode.FULL,
+                retrieve_index=plan.retrieve.retrive_index,
+                retrieve_next_token=plan.retrieve.retrive_next_token,
+                retrieve_next_sibling=plan.retrieve.retrive_next_sibling,
+                max_depth=cfg.max_depth,
                 kv_loc_plan=tree_plan,
             )
-            batch.out_cache_loc = tree_loc
-            sampling_info = batch.sampling_info
+
+        def ddtree_target_verify(self, batch, draft_input, verify_input):
+            """The target forward in TARGET_VERIFY through the target worker
+            (CUDA graph when the runner can replay this batch)."""
+            W = self.ddtree_config.verify_width
             backup = (batch.seq_lens_cpu, batch.seq_lens_sum)
-            batch.seq_lens_cpu = prefix_cpu + W
-            batch.seq_lens_sum = prefix_sum + bs * W
+            if batch.seq_lens_cpu is not None:
+                verify_host = batch.seq_lens_cpu.to(torch.int64) + W
+            else:
+                verify_host = draft_input.nxt_kv_lens_cpu
+            if verify_host is not None:
+                batch.seq_lens_cpu = verify_host
+                batch.seq_lens_sum = int(verify_host.sum())
             verify_fb, _ = verify_input.prepare_for_verify(batch, self.target_worker)
             batch.seq_lens_cpu, batch.seq_lens_sum = backup
-
-            # 3) target verify forward over bs * W tokens
             target_out = self.target_worker.forward_batch_generation(
-                batch=None,
-                forward_batch=verify_fb,
-                is_verify=True,
-                skip_attn_backend_init=True,
+                batch=None, forward_batch=verify_fb, is_verify=True, skip_attn_backend_init=True
             )
             logits_output = target_out.logits_output
             target_lp = self._target_logits_processor
-            if target_lp is not None and target_lp.is_deferred_shard(
-                logits_output.next_token_logits
-            ):
+            if target_lp is not None and target_lp.is_deferred_shard(logits_output.next_token_logits):
                 logits_output.next_token_logits = target_lp.finish_deferred_gather(
                     logits_output.next_token_logits
                 )
-            logits = logits_output.next_token_logits
-            all_greedy = sampling_info is None or sampling_info.is_all_greedy
-            if sampling_info is not None:
-                apply_dflash_verify_logits_adjustments(
-                    next_token_logits=logits,
-                    sampling_info=sampling_info,
-                    draft_token_num=W,
+            return target_out, logits_output
+
+        def ddtree_accept_and_commit(
+            self, batch, verify_input, target_out, logits_output, block_plan, *,
+            on_publish=None, grammar_barrier=None,
+        ):
+            cfg = self.ddtree_config
+            bs = len(batch.seq_lens)
+            W = cfg.verify_width
+            block_size = int(self.block_size)
+            prefix_lens = batch.seq_lens
+
+            grammar_mask = None
+            if batch.has_grammar:
+                tree = GrammarTree.from_device(
+                    verify_input.retrieve_next_token,
+                    verify_input.retrieve_next_sibling,
+                    verify_input.draft_token.view(bs, W),
+                )
+                grammar_mask = build_grammar_vocab_mask(
+                    reqs=batch.reqs,
+                    tree=tree,
+                    sampling_info=batch.sampling_info,
+                    device=logits_output.next_token_logits.device,
+                    barrier=grammar_barrier,
                 )
 
-            # 4) accept: tree greedy verify or the sampling path
-            if all_greedy:
-                predicts, accept_index, accept_num = ddtree_accept(logits, plan)
-                site = SpecTpSyncSite.DFLASH_ACCEPT_GREEDY
-            else:
-                predicts, accept_index, accept_num = ddtree_accept(
-                    logits,
-                    plan,
-                    temperatures=sampling_info.temperatures.view(-1),
-                    top_ks=sampling_info.top_ks.view(-1),
-                    top_ps=sampling_info.top_ps.view(-1),
-                    greedy=resolve_greedy_mask(bs=bs, sampling_info=sampling_info, device=device),
-                    all_greedy=False,
-                )
-                site = SpecTpSyncSite.DFLASH_ACCEPT_SAMPLE
-            self._tp_sync.sync(site, predicts)
+            # SGLang's tree acceptance (greedy or sampled), as EAGLE and NGRAM.
+            predict, accept_lens, accept_index = eagle_sample(
+                verify_input,
+                batch,
+                logits_output,
+                grammar_mask,
+                watermark_state=self.model_runner.watermark_state,
+            )
+            all_greedy = batch.sampling_info is None or batch.sampling_info.is_all_greedy
+            site = SpecTpSyncSite.DFLASH_ACCEPT_GREEDY if all_greedy else SpecTpSyncSite.DFLASH_ACCEPT_SAMPLE
+            self._tp_sync.sync(site, predict)
             self._tp_sync.sync(site, accept_index)
-            self._tp_sync.sync(site, accept_num)
+            self._tp_sync.sync(site, accept_lens)
 
-            # 5) commit the accepted path: tokens, target KV moved to the
-            #    window front (EAGLE topk > 1), hidden states compacted
-            commit = ddtree_commit(predicts, accept_index, accept_num, W)
-            tgt, src = accept_kv_moves(tree_loc, accept_index, accept_num)
-            # same pool call as EAGLE's move_accept_tokens_to_target_kvcache
-            runner.token_to_kv_pool.move_kv_cache(tgt, src)
-            new_seq_lens = prefix_lens + commit.commit_lens.to(prefix_lens.dtype)
+            # Target KV of the accepted nodes to the window front (NGRAM's call).
+            move_accept_tokens_to_target_kvcache(
+                batch, accept_index, accept_lens - 1, self.model_runner.token_to_kv_pool_allocator
+            )
+            if batch.return_logprob:
+                compute_spec_logprobs(batch, logits_output, predict, accept_index=accept_index)
+            out_tokens, commit_lens, bonus = ddtree_commit_tokens(
+                predict, accept_index, accept_lens, block_size
+            )
+            new_seq_lens = prefix_lens + commit_lens.to(prefix_lens.dtype)
             if on_publish is not None:
                 on_publish(new_seq_lens)
 
-            # 6) draft KV for the committed tokens (DFlash materialisation)
+            # Draft KV for the committed tokens, from the accepted nodes' target
+            # hidden states, at positions prefix..prefix+commit-1.
             hidden = logits_output.hidden_states
             if hidden is None:
                 raise RuntimeError("DDTREE verify requires target hidden states, got None.")
-            hidden = compact_to_front(hidden.reshape(bs * W, -1), accept_index, bs, W)
-            cache_loc = self._draft_write_ids(tree_plan)
+            front = front_rows(hidden.reshape(bs * W, -1), accept_index, block_size)
+            cache_loc = self._draft_write_ids(block_plan)
             self._append_target_hidden_to_draft_kv_by_loc(
-                target_hidden=hidden,
+                target_hidden=front,
                 cache_loc=cache_loc,
-                cache_loc_2d=cache_loc.view(bs, W),
-                positions=front_positions(prefix_lens, W),
-                commit_lens=commit.commit_lens,
+                cache_loc_2d=cache_loc.view(bs, block_size),
+                positions=(prefix_lens.long().view(-1, 1) + self._block_pos_offsets).reshape(-1),
+                commit_lens=commit_lens,
             )
             logits_output.hidden_states = None
-            logits_output.next_token_logits = compact_to_front(logits, accept_index, bs, W)
+            batch.forward_mode = ForwardMode.DECODE
 
-            next_draft_input = self._make_next_draft_input_decode(
-                bonus_tokens=commit.bonus, new_seq_lens=new_seq_lens
-            )
             return GenerationBatchResult(
                 logits_output=logits_output,
-                next_token_ids=commit.out_tokens.reshape(-1),
-                accept_lens=commit.commit_lens,
-                can_run_cuda_graph=False,
-                next_draft_input=next_draft_input,
-                speculative_num_draft_tokens=W,
-                speculative_output_stride=W,
+                next_token_ids=out_tokens.reshape(-1),
+                accept_lens=commit_lens,
+                can_run_cuda_graph=bool(target_out.can_run_cuda_graph),
+                next_draft_input=self._make_next_draft_input_decode(
+                    bonus_tokens=bonus, new_seq_lens=new_seq_lens
+                ),
+                speculative_num_draft_tokens=block_size,
                 new_seq_lens=new_seq_lens,
                 routed_experts_output=target_out.routed_experts_output,
                 indexer_topk_output=target_out.indexer_topk_output,

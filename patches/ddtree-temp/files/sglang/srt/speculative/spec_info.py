@@ -306,6 +306,16 @@ class SpeculativeAlgorithm(Enum):
         # Here, we expose this interface to allow the other use cases.
         if self.is_dspark() and is_draft_worker:
             return num_draft_tokens - 1
+        if self.is_dflash():
+            spec = get_spec_config()
+            ddtree_budget = getattr(spec, "speculative_ddtree_budget", None)
+            if ddtree_budget is not None:
+                # ddtree-temp: the target verifies the tree (budget + 1 tokens per
+                # request: its CUDA graphs, attention metadata and logits rows are
+                # that wide); the DFlash draft still runs one block.
+                if is_draft_worker:
+                    return int(spec.speculative_num_draft_tokens)
+                return int(ddtree_budget) + 1
         return num_draft_tokens
 
     def get_platform_worker_cls(self) -> Optional[type]:

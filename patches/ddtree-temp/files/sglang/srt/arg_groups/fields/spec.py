@@ -74,25 +74,15 @@ class Spec(msgspec.Struct):
     speculative_ddtree_budget: A[
         Optional[int],
         "DDTREE only. Draft-tree budget: draft nodes verified per step, root excluded "
-        "(verify width = budget + 1). Must be >= 1. Default 64.",
+        "(verify width = budget + 1 tokens per request, CUDA graphs included). "
+        "1..1024, default 64. Needs --attention-backend triton and --page-size 1 "
+        "(the defaults DDTREE picks when they are unset).",
     ] = None
     speculative_ddtree_topk_cap: A[
         Optional[int],
         "DDTREE only. Only the top K draft tokens per depth are tree candidates; "
         "1 <= K <= budget. Default: the budget (the paper's tree).",
     ] = None
-    speculative_ddtree_debug_metrics: A[
-        bool,
-        "DDTREE only. Log per-step tree statistics and check every draft tree for "
-        "duplicate sibling tokens (synchronises with the host; for debugging).",
-    ] = False
-    speculative_ddtree_tree_verify: A[
-        bool,
-        "DDTREE only. EXPERIMENTAL, not yet validated on a GPU: verify the draft tree "
-        "(budget + 1 tokens per request, eager target verify, FlashInfer/Triton "
-        "attention, page size 1, TP 1). Off by default: DDTREE then decodes with "
-        "DFlash's lossless chain verify.",
-    ] = False
     speculative_domino_candidate_pool_size: A[
         int,
         "Domino only. Size of the approximate block-shared base-logit candidate pool. Set to 0 to score the full vocabulary.",

@@ -1,0 +1,176 @@
+"""The DDTree step's pure parts, in the light venv (torch CPU, no SGLang): the sharded top-k,
+the committed-block layout, the accepted rows for the draft KV, the host length bound, the
+tree's static shape, and the argument refusals."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def dv():
+    from sglang.srt.speculative import ddtree_verify
+
+    return ddtree_verify
+
+
+@pytest.fixture(scope="module")
+def dw():
+    from sglang.srt.speculative import ddtree_worker
+
+    return ddtree_worker
+
+
+@pytest.fixture(scope="module")
+def da():
+    from sglang.srt.speculative import ddtree_args
+
+    return ddtree_args
+
+
+def _run_ranks(dv, logits: torch.Tensor, tp: int, k: int):
+    """Each TP rank in its own thread with its vocabulary shard (SGLang's layout: equal padded
+    shards, the last one shorter); `gather` is an all-gather through a barrier."""
+    vocab = logits.shape[1]
+    shard = -(-vocab // tp)
+    slots: list = [None] * tp
+    barrier = threading.Barrier(tp)
+    results: list = [None] * tp
+
+    def rank(r: int) -> None:
+        def gather(t: torch.Tensor) -> torch.Tensor:
+            slots[r] = t
+            barrier.wait()
+            out = torch.stack(list(slots))
+            barrier.wait()  # everyone has read before the next call overwrites
+            return out
+
+        start = min(r * shard, vocab)
+        local = logits[:, start:min(start + shard, vocab)]
+        results[r] = dv.vocab_parallel_topk_logprobs(
+            local, k, vocab_start=start, gather=gather if tp > 1 else None
+        )
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(tp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    return results
+
+
+@pytest.mark.parametrize("vocab,tp,k", [(1000, 1, 8), (1000, 2, 8), (1003, 8, 16), (30, 8, 8), (12, 4, 8)])
+def test_sharded_topk_equals_the_full_vocabulary_topk_on_every_rank(dv, vocab, tp, k):
+    from sglang.srt.speculative.ddtree_utils import draft_topk_logprobs
+
+    logits = torch.randn(7, vocab, generator=torch.Generator().manual_seed(vocab + tp))
+    want_lp, want_ids = draft_topk_logprobs(logits, k)
+    results = _run_ranks(dv, logits, tp, k)
+    for lp, ids in results:
+        assert torch.equal(lp, results[0][0]) and torch.equal(ids, results[0][1])  # same tree everywhere
+        n = want_lp.shape[1]
+        assert torch.allclose(lp[:, :n], want_lp, atol=1e-5)
+        assert torch.equal(ids[:, :n], want_ids)
+        assert torch.isneginf(lp[:, n:]).all()  # past a vocabulary smaller than k: never selected
+
+
+def test_sharded_topk_would_be_wrong_without_the_global_normaliser(dv):
+    """The check above can fail: each rank's own log-sum-exp is not the vocabulary's."""
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    local = dv.vocab_parallel_topk_logprobs(logits[:, :32], 4)[0]
+    full = dv.vocab_parallel_topk_logprobs(logits, 4)[0]
+    assert not torch.allclose(local, full)
+
+
+def test_committed_tokens_come_back_in_dflash_block_layout(dv):
+    W, block = 5, 4
+    # request 0 accepts nodes 0 -> 2 -> 4 (+ bonus at node 4); request 1 only the bonus
+    accept_index = torch.tensor([[0, 2, 4], [5, -1, -1]], dtype=torch.int32)
+    accept_lens = torch.tensor([3, 1], dtype=torch.int32)
+    predict = torch.arange(100, 100 + 2 * W, dtype=torch.int32)
+    out, lens, bonus = dv.ddtree_commit_tokens(predict, accept_index, accept_lens, block)
+    assert out.tolist() == [[100, 102, 104, 0], [105, 0, 0, 0]]
+    assert lens.tolist() == [3, 1] and lens.dtype == torch.int32
+    assert bonus.tolist() == [104, 105]
+
+
+def test_front_rows_put_the_accepted_path_first_and_zero_the_rest(dv):
+    W, block = 5, 4
+    x = torch.arange(2 * W, dtype=torch.float32).view(-1, 1).repeat(1, 3)
+    accept_index = torch.tensor([[0, 3, 4], [5, 7, -1]])
+    rows = dv.front_rows(x, accept_index, block).view(2, block, 3)[:, :, 0]
+    assert rows.tolist() == [[0, 3, 4, 0], [5, 7, 0, 0]]
+
+
+def test_host_prefix_bound_is_exact_when_mirrored_else_the_capped_reservation(dw):
+    exact = torch.tensor([5, 9], dtype=torch.int32)
+    assert dw.host_prefix_bound(exact, torch.tensor([99, 99]), 50, 16).tolist() == [5, 9]
+    assert dw.host_prefix_bound(None, torch.tensor([40, 80]), 50, 16).tolist() == [40, 66]
+    with pytest.raises(RuntimeError, match="host"):
+        dw.host_prefix_bound(None, None, 50, 16)
+
+
+@pytest.mark.parametrize("budget,block,depth", [(64, 16, 15), (7, 16, 7), (16, 16, 15), (1, 2, 1)])
+def test_tree_shape_follows_budget_and_block(dw, budget, block, depth):
+    cfg = dw.DDTreeConfig(budget, min(4, budget), block)
+    assert (cfg.verify_width, cfg.max_depth, cfg.accept_width) == (budget + 1, depth, depth + 1)
+    with pytest.raises(ValueError):
+        dw.DDTreeConfig(budget, budget + 1, block)
+
+
+def test_model_refusals_name_every_reason(dw):
+    assert dw.model_refusals(mamba=False, selector=False, domino=False, quantized_head_tp=False) == []
+    why = dw.model_refusals(mamba=True, selector=True, domino=True, quantized_head_tp=True)
+    assert len(why) == 4 and any("mamba" in w for w in why) and any("TP > 1" in w for w in why)
+
+
+def _args(**kw):
+    base = dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=None,
+                speculative_ddtree_topk_cap=None, attention_backend=None,
+                prefill_attention_backend=None, decode_attention_backend=None,
+                speculative_attention_mode="prefill", page_size=None)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(attention_backend="flashinfer"), "attention backend 'flashinfer'"),
+    (dict(attention_backend="trtllm_mla"), "attention backend 'trtllm_mla'"),
+    (dict(attention_backend="triton", prefill_attention_backend="fa3"), "attention backend 'fa3'"),
+    (dict(attention_backend="triton", decode_attention_backend="fa3", speculative_attention_mode="decode"),
+     "attention backend 'fa3'"),
+    (dict(page_size=64), "--page-size 64"),
+    (dict(enable_dp_attention=True), "DP attention"),
+    (dict(attn_dp_size=2), "DP attention"),
+    (dict(enable_lora=True), "--enable-lora"),
+    (dict(speculative_adaptive=True), "--speculative-adaptive"),
+    (dict(speculative_use_block_verification=True), "block-verification"),
+    (dict(speculative_accept_threshold_single=0.9), "thresholds below 1"),
+    (dict(speculative_draft_window_size=512), "draft-window-size"),
+])
+def test_options_the_tree_verify_cannot_serve_are_refused_by_name(da, kw, needle):
+    with pytest.raises(da.DDTreeArgumentError, match="cannot run with") as e:
+        da.normalize_ddtree_server_args(_args(**kw))
+    assert needle in str(e.value)
+
+
+def test_unset_backend_and_page_size_become_the_tree_verify_defaults(da):
+    a = _args(speculative_ddtree_budget=16, speculative_ddtree_topk_cap=4)
+    da.normalize_ddtree_server_args(a)
+    assert (a.speculative_algorithm, a.speculative_ddtree_budget, a.speculative_ddtree_topk_cap) == ("DFLASH", 16, 4)
+    assert (a.attention_backend, a.page_size) == ("triton", 1)
+    # decode-mode verify with a triton decode backend is served; nothing is overridden
+    b = _args(decode_attention_backend="triton", prefill_attention_backend="fa3", speculative_attention_mode="decode")
+    da.normalize_ddtree_server_args(b)
+    assert b.attention_backend is None and b.speculative_ddtree_budget == 64
+
+
+def test_other_algorithms_are_left_exactly_as_given(da):
+    a = _args(speculative_algorithm="EAGLE", attention_backend="fa3", page_size=64)
+    da.normalize_ddtree_server_args(a)
+    assert (a.speculative_algorithm, a.attention_backend, a.page_size, a.speculative_ddtree_budget) == (
+        "EAGLE", "fa3", 64, None)

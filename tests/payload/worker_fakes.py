@@ -1,0 +1,595 @@
+"""One real ``DDTreeWorkerV2.ddtree_decode`` step on CPU, for test_worker_decode_cpu.
+
+Imported only in .venv-sglang (sglang 0.5.23 with the patch overlay first on
+``sys.path``), inside the subprocess that ``sglang_env.run_sglang`` starts;
+:func:`run_case` returns plain lists, the test asserts on them. Import this
+module BEFORE anything imports triton or sglang: it sets the two environment
+switches below, which are read at import / pool-construction time.
+
+Real (SGLang 0.5.23 + patch set): the published runtime context
+(``prepare_server_args`` + ``publish``), ``Req`` / ``ScheduleBatch`` /
+``SamplingBatchInfo.from_schedule_batch``, ``ReqToTokenPool``,
+``TokenToKVPoolAllocator``, two ``MHATokenToKVPool`` (target and draft; the
+fake target writes its KV through ``set_kv_buffer(KVWriteLoc.for_batch(fb))``),
+``KVIndexTranslator`` (plans, ``bind``), ``ForwardBatch`` / ``ForwardMode``,
+``DDTreeVerifyInput.prepare_for_verify`` -> ``ForwardBatch.init_new``,
+``assign_extend_cache_locs_func``, ``eagle_sample`` (greedy path),
+``move_accept_tokens_to_target_kvcache`` -> ``fill_front_out_cache_loc_func`` /
+``fill_accept_out_cache_loc_func`` -> ``MHATokenToKVPool.move_kv_cache``,
+``compute_spec_logprobs`` (when the case asks for logprobs),
+``make_draft_input_v2`` / ``make_draft_block_spec_info`` /
+``build_block_pos_offsets``, ``resolve_draft_parallel_layout``, ``SpecTpSync``,
+``GenerationBatchResult``, ``LogitsProcessorOutput``, ``ModelRunnerOutput``,
+and every line of the worker's decode step.
+
+How the kernels run here (this host has no GPU, no ``sgl_kernel`` and is not
+``SGLANG_USE_CPU_ENGINE``, so SGLang's platform dispatchers find no branch):
+
+* ``TRITON_INTERPRET=1``: SGLang's own Triton kernels (``assign_extend_cache_locs``,
+  ``fill_front_out_cache_loc``, ``fill_accept_out_cache_loc``) run unchanged in
+  Triton's CPU interpreter. ``assign_extend_cache_locs_func`` only launches its
+  Triton kernel behind ``_is_cuda or _is_hip or _is_musa or _is_xpu``, so that
+  module's ``_is_xpu`` flag is set (it selects the Triton branch and nothing
+  else in ``cache_locs``).
+* ``SGLANG_NATIVE_MOVE_KV_CACHE=1``: the pool's own torch move
+  (``move_kv_cache_native``) instead of the pointer-table Triton copy kernel.
+* ``verify_tree_greedy_func`` (CUDA kernel / ``sgl_kernel`` CPU op) is the one
+  kernel replaced: by the payload's PyTorch reference
+  ``ddtree_utils.verify_tree_greedy_reference`` (same in-place outputs).
+
+Fakes (all here): the target worker's ``forward_batch_generation`` (a toy model
+that asserts the TARGET_VERIFY batch and writes KV markers into the real pool),
+the DFlash draft runner's ``forward`` (asserts the block batch, returns toy hidden
+states), the target model object (an ``lm_head`` weight only), the model config
+(the few fields read), the attention backend (records ``init_forward_metadata``),
+the TP group (``sglang.test.parallel_groups.publish``: world size 1),
+``_append_target_hidden_to_draft_kv_by_loc`` (a recorder: it writes draft-model KV)
+and ``batch.seq_lens.record_stream`` (:class:`StreamRecordedTensor`: torch has no
+CPU kernel for ``record_stream``). The server arguments say ``--device cuda``
+(DFLASH's argument hook refuses ``cpu``); every tensor of the step is on the CPU.
+The worker is ``object.__new__`` + the attributes ``DFlashWorkerV2.__init__`` /
+``DDTreeWorkerV2.__init__`` would set (those load models and capture graphs).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import os
+from array import array
+from types import SimpleNamespace
+
+os.environ["TRITON_INTERPRET"] = "1"
+os.environ["SGLANG_NATIVE_MOVE_KV_CACHE"] = "1"
+
+import torch
+
+V = 50  # vocabulary
+H = 16  # hidden size
+MASK_ID = V - 1  # DFlash mask token
+TARGET_LAYERS = 2
+HEAD_DIM = 4
+POOL_SLOTS = 512
+CONTEXT = 96
+
+
+# -- the toy models (pure functions of their inputs) ---------------------------
+
+def _randn(seed: int, *shape) -> torch.Tensor:
+    g = torch.Generator().manual_seed(int(seed))
+    return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+
+def lm_head_weight() -> torch.Tensor:
+    """The target LM head ``[V, H]`` the worker projects draft hidden states with."""
+    return _randn(1234, V, H)
+
+
+def embed_table() -> torch.Tensor:
+    """DFlash's noise embedding (``_full_embed_gpu``)."""
+    return _randn(99, V, H)
+
+
+def draft_hidden(bonus: int, pos: int) -> torch.Tensor:
+    """The fake draft's hidden state for block row ``(bonus, position)``."""
+    return _randn(100_003 * int(bonus) + int(pos) + 7, H) * 2.0
+
+
+def path_code(root: int, path) -> int:
+    """An integer (< 2**20, exact in float32) naming a node: its root token and
+    the draft tokens on the way to it."""
+    c = 1 + 7919 * int(root)
+    for i, t in enumerate(path):
+        c = (c * 131 + (int(t) + 1) * (i + 2)) % 999_983
+    return c
+
+
+def kv_marker(code: int, layer: int, depth: int):
+    """What the fake target writes at a node's slot: (k row, v row)."""
+    k = [float(code), float(layer + 1), float(depth), 1.0]
+    v = [-float(code), float(layer + 1), -float(depth), 2.0]
+    return k, v
+
+
+def background(slot: int, layer: int):
+    """KV present before the step in every allocated slot."""
+    return [-float(slot), float(layer), -1.0, 0.0], [float(slot), float(layer), -1.0, 0.0]
+
+
+def target_hidden(code: int, depth: int, b: int) -> list:
+    return [float(code), float(depth), float(b)] + [float(j) for j in range(H - 3)]
+
+
+def target_next(plan, root: int, path) -> int:
+    """The toy target's greedy next token after ``root, *path``: the planned
+    continuation while the path follows the plan, else a hash of the path."""
+    path = tuple(int(t) for t in path)
+    if len(path) < len(plan) and path == tuple(plan[: len(path)]):
+        return int(plan[len(path)])
+    return (7 + 13 * path_code(root, path)) % (V - 1)
+
+
+# -- the independent reference -------------------------------------------------
+
+def draft_topk(bonus: int, prefix: int, block: int, k: int):
+    """Per depth 1..block-1: the top-``k`` (token, log-prob) of the draft
+    distribution, float64 (the worker: float32 through the real LM head path)."""
+    w = lm_head_weight()
+    out = []
+    for d in range(1, block):
+        lp = torch.log_softmax(draft_hidden(bonus, prefix + d) @ w.T, dim=-1)
+        vals, ids = torch.topk(lp, k)
+        out.append([(int(i), float(v)) for v, i in zip(vals, ids)])
+    return out
+
+
+def reference_tree(top, budget: int, max_depth: int):
+    """The best ``budget`` prefixes (score = sum of log-probs), best first:
+    a heap over (first child, next sibling) moves, as the DDTree paper."""
+    heap = [(-top[0][0][1], (0,))]  # ranks per depth
+    nodes, scores = [], []
+    while heap and len(nodes) < budget + 1:
+        neg, ranks = heapq.heappop(heap)
+        nodes.append(tuple(top[d][r][0] for d, r in enumerate(ranks)))
+        scores.append(-neg)
+        d = len(ranks) - 1
+        if ranks[-1] + 1 < len(top[d]):
+            sib = ranks[:-1] + (ranks[-1] + 1,)
+            heapq.heappush(heap, (neg + top[d][ranks[-1]][1] - top[d][ranks[-1] + 1][1], sib))
+        if d + 1 < max_depth:
+            heapq.heappush(heap, (neg - top[d + 1][0][1], ranks + (0,)))
+    gaps = [a - b for a, b in itertools.pairwise(scores)]
+    return nodes[:budget], min(gaps) if gaps else math.inf
+
+
+def make_plan(top, ranks):
+    """Planned target continuation: the draft's rank ``r`` token per depth;
+    ``None`` = a token outside the draft's top-k there (ends the plan)."""
+    plan = []
+    for d, r in enumerate(ranks):
+        if r is None:
+            taken = {t for t, _ in top[d]}
+            plan.append(next(t for t in range(V - 2, -1, -1) if t not in taken))
+            break
+        plan.append(top[d][r][0])
+    return plan
+
+
+def expected_step(root: int, plan, nodes, max_depth: int):
+    """Greedy tree walk of the toy target over the reference tree:
+    committed tokens, accepted node ids (0 = root), their paths."""
+    index = {p: i + 1 for i, p in enumerate(nodes)}
+    cur, out, ids, paths = (), [], [0], [()]
+    while True:
+        t = target_next(plan, root, cur)
+        out.append(t)
+        nxt = cur + (t,)
+        if len(cur) < max_depth and nxt in index:
+            cur = nxt
+            ids.append(index[nxt])
+            paths.append(nxt)
+        else:
+            return out, ids, paths
+
+
+# -- the step ------------------------------------------------------------------
+
+class StreamRecordedTensor(torch.Tensor):
+    """``batch.seq_lens`` for the step: torch has no CPU kernel for
+    ``Tensor.record_stream`` (the worker's first line, as DFlashWorkerV2's), so
+    this tensor records the call instead. Torch functions see a plain tensor
+    (their results are plain tensors)."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+    streams: list
+
+    def record_stream(self, stream):
+        self.streams.append(stream)
+
+
+def stream_recorded(t: torch.Tensor) -> StreamRecordedTensor:
+    out = t.as_subclass(StreamRecordedTensor)
+    out.streams = []
+    return out
+
+
+def _setup_runtime(budget: int, cap: int, block: int, model: str):
+    from sglang.srt.runtime_context import reset_context
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.test.parallel_groups import (
+        publish,  # rank bundle + world-size-1 TP groups
+    )
+
+    # DFLASH refuses --device cpu when arguments resolve (a platform check);
+    # the arguments say cuda, every tensor of the step is on the CPU.
+    args = prepare_server_args([
+        "--model-path", model, "--speculative-draft-model-path", model, "--device", "cuda",
+        "--speculative-algorithm", "DDTREE",
+        "--speculative-ddtree-budget", str(budget),
+        "--speculative-ddtree-topk-cap", str(cap),
+        "--speculative-num-draft-tokens", str(block),
+    ])
+    reset_context()
+    publish(args, role="scheduler")
+    return args
+
+
+def _patch_kernels(no_kv_move: bool):
+    from sglang.kernels.ops.speculative import cache_locs
+    from sglang.srt.speculative import eagle_utils, spec_utils
+    from sglang.srt.speculative.ddtree_utils import verify_tree_greedy_reference
+
+    # assign_extend_cache_locs_func: take its Triton branch (TRITON_INTERPRET runs it).
+    cache_locs._is_xpu = True
+
+    # The CUDA kernel / sgl_kernel CPU op behind eagle_sample's greedy verify is
+    # not on this host: the payload's PyTorch reference, same in-place outputs.
+    def verify_tree_greedy_func(*, predicts, accept_index, accept_token_num, candidates,
+                                retrieve_index, retrieve_next_token, retrieve_next_sibling,
+                                target_predict, topk=-1):
+        verify_tree_greedy_reference(
+            predicts, accept_index, accept_token_num, candidates, retrieve_index,
+            retrieve_next_token, retrieve_next_sibling, target_predict,
+        )
+        return predicts, accept_index, accept_token_num
+
+    eagle_utils.verify_tree_greedy_func = verify_tree_greedy_func
+    if no_kv_move:  # mutation: a worker that skips the KV move (bound at class build)
+        spec_utils.move_accept_tokens_to_target_kvcache = lambda *a, **k: None
+
+
+def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
+             host_mirror: bool, return_logprob: bool = False, no_kv_move: bool = False) -> dict:
+    """Build pools, batch and worker, run one ``ddtree_decode``; return what the
+    test checks (plain lists) and the reference's expectations."""
+    _setup_runtime(budget, cap, block, model)
+    _patch_kernels(no_kv_move)
+
+    from sglang.srt.layers.dp_attention import get_dp_tp_group
+    from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+    from sglang.srt.managers.utils import GenerationBatchResult
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
+    from sglang.srt.mem_cache.memory_pool import (
+        KVWriteLoc,
+        MHATokenToKVPool,
+        ReqToTokenPool,
+    )
+    from sglang.srt.model_executor.forward_batch_info import (
+        CaptureHiddenMode,
+        ForwardMode,
+    )
+    from sglang.srt.model_executor.model_runner import ModelRunnerOutput
+    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang.srt.speculative.ddtree_kv import ddtree_decode_reserve
+    from sglang.srt.speculative.ddtree_worker import DDTreeConfig, get_ddtree_worker_cls
+    from sglang.srt.speculative.draft_parallel import (
+        model_draft_parallel_spec,
+        resolve_draft_parallel_layout,
+    )
+    from sglang.srt.speculative.draft_worker_common import (
+        build_block_pos_offsets,
+        make_draft_block_spec_info,
+        make_draft_input_v2,
+    )
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang.srt.speculative.spec_tp_sync import SpecTpSync
+
+    cls = get_ddtree_worker_cls()
+    cfg = DDTreeConfig(budget, cap, block)
+    W, D = cfg.verify_width, cfg.max_depth
+    bs = len(prefixes)
+    dev = "cpu"
+
+    # -- scenario and its reference (before, and independent of, the worker) --
+    bonus = [(11 + 17 * b) % (V - 1) for b in range(bs)]
+    trees, plans, expect = [], [], {"out": [], "ids": [], "paths": []}
+    min_gap = math.inf
+    for b in range(bs):
+        top = draft_topk(bonus[b], prefixes[b], block, cap)
+        nodes, gap = reference_tree(top, budget, D)
+        min_gap = min(min_gap, gap)
+        plan = make_plan(top, ranks[b])
+        out, ids, paths = expected_step(bonus[b], plan, nodes, D)
+        trees.append(nodes)
+        plans.append(plan)
+        expect["out"].append(out)
+        expect["ids"].append(ids)
+        expect["paths"].append([list(p) for p in paths])
+
+    # -- real pools -------------------------------------------------------------
+    req_pool = ReqToTokenPool(size=bs + 2, max_context_len=CONTEXT, device=dev,
+                              enable_memory_saver=False)
+    kv_pool = MHATokenToKVPool(POOL_SLOTS, page_size=1, dtype=torch.float32, head_num=1,
+                               head_dim=HEAD_DIM, layer_num=TARGET_LAYERS, device=dev,
+                               enable_memory_saver=False, enable_alt_stream=False)
+    draft_pool = MHATokenToKVPool(POOL_SLOTS, page_size=1, dtype=torch.float32, head_num=1,
+                                  head_dim=HEAD_DIM, layer_num=1, device=dev,
+                                  enable_memory_saver=False, enable_alt_stream=False)
+    allocator = TokenToKVPoolAllocator(POOL_SLOTS, dtype=torch.float32, device=dev,
+                                       kvcache=kv_pool, need_sort=False)
+    target_translator = KVIndexTranslator(
+        req_to_token=req_pool.req_to_token, token_to_kv_pool_allocator=allocator,
+        token_to_kv_pool=kv_pool, page_size=1, device=dev)
+    draft_translator = KVIndexTranslator(
+        req_to_token=req_pool.req_to_token, token_to_kv_pool_allocator=allocator,
+        token_to_kv_pool=draft_pool, page_size=1, device=dev, is_draft_worker=True)
+
+    # Requests: the batch's bs plus one bystander that must stay untouched.
+    reserve = ddtree_decode_reserve(block, budget)
+    lens = list(prefixes) + [9]
+    reqs = []
+    for i, n in enumerate(lens):
+        r = Req(f"r{i}", "", array("i", [(3 * i + j) % (V - 1) for j in range(n)]),
+                SamplingParams(temperature=0.0, max_new_tokens=64), vocab_size=V)
+        reqs.append(r)
+    rows = req_pool.alloc(list(reversed(reqs)))  # rows in an order unrelated to the batch
+    rows = list(reversed(rows))
+    slots_needed = [n + reserve for n in lens]
+    flat = allocator.alloc(sum(slots_needed))
+    flat = flat[torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(5))]
+    start = 0
+    for r, row, n in zip(reqs, rows, slots_needed):
+        req_pool.write((row, slice(0, n)), flat[start:start + n].to(torch.int32))
+        start += n
+        r.kv.kv_committed_len = n - reserve
+        r.kv.kv_allocated_len = n
+    for layer in range(TARGET_LAYERS):
+        for s in flat.tolist():
+            k, v = background(s, layer)
+            kv_pool.k_buffer[layer][s, 0] = torch.tensor(k)
+            kv_pool.v_buffer[layer][s, 0] = torch.tensor(v)
+    kv_before = [kv_pool.k_buffer[i].clone() for i in range(TARGET_LAYERS)], \
+        [kv_pool.v_buffer[i].clone() for i in range(TARGET_LAYERS)]
+
+    batch_reqs = reqs[:bs]
+    rpi = torch.tensor(rows[:bs], dtype=torch.int64)
+    prefix_t = torch.tensor(prefixes, dtype=torch.int64)
+    req_to_token = req_pool.req_to_token
+
+    draft_input = make_draft_input_v2(bonus_tokens=torch.tensor(bonus), new_seq_lens=prefix_t)
+    if not host_mirror:  # overlap scheduling: only the reservation is on the host
+        draft_input.nxt_kv_lens_cpu = torch.tensor([n + reserve for n in prefixes], dtype=torch.int32)
+        draft_input.nxt_kv_lens_sum = int(draft_input.nxt_kv_lens_cpu.sum())
+    batch = ScheduleBatch(
+        reqs=batch_reqs, req_to_token_pool=req_pool, token_to_kv_pool_allocator=allocator,
+        device=dev, forward_mode=ForwardMode.DECODE, req_pool_indices=rpi,
+        seq_lens=stream_recorded(prefix_t.clone()), orig_seq_lens=prefix_t.to(torch.int32),
+        seq_lens_cpu=prefix_t.clone() if host_mirror else None,
+        seq_lens_sum=int(prefix_t.sum()) if host_mirror else None,
+        spec_algorithm=SpeculativeAlgorithm.DFLASH, spec_info=draft_input,
+        return_logprob=return_logprob,
+    )
+    batch.sampling_info = SamplingBatchInfo.from_schedule_batch(batch, V)
+
+    # -- fakes ------------------------------------------------------------------
+    weight = lm_head_weight().float()
+    embed = embed_table().float()
+    calls = {"target": [], "draft": [], "attn_init": [], "append": [], "publish": []}
+    model_config = SimpleNamespace(context_len=CONTEXT, vocab_size=V, model_is_mrope=False,
+                                   hidden_size=H, is_matryoshka=False,
+                                   requires_mm_token_modalities=False)
+
+    class AttnBackend:
+        def init_forward_metadata(self, fb):
+            calls["attn_init"].append(fb)
+
+    def window(b, width):
+        p = prefixes[b]
+        return req_to_token[rows[b], p:p + width].to(torch.int64)
+
+    def target_forward(batch=None, forward_batch=None, is_verify=False, **kw):
+        fb = forward_batch
+        assert batch is None and is_verify, (batch, is_verify)
+        assert fb.forward_mode == ForwardMode.TARGET_VERIFY and fb.forward_mode.is_target_verify()
+        assert not calls["target"], "target forward called twice"
+        calls["target"].append(kw)
+        assert calls["attn_init"] and calls["attn_init"][-1] is fb, "attention metadata not planned"
+        assert fb.batch_size == bs and fb.input_ids.shape == (bs * W,), fb.input_ids.shape
+        assert isinstance(fb.spec_info, cls.DDTreeVerifyInput), type(fb.spec_info)
+        assert fb.spec_info.draft_token_num == W and fb.spec_info.max_tree_depth == D + 1
+        assert fb.capture_hidden_mode == CaptureHiddenMode.FULL
+        assert torch.equal(fb.req_pool_indices, rpi) and torch.equal(fb.seq_lens, prefix_t)
+        host = prefix_t + W if host_mirror else draft_input.nxt_kv_lens_cpu.long()
+        assert torch.equal(fb.seq_lens_cpu.long(), host), (fb.seq_lens_cpu, host)
+        assert fb.seq_lens_sum == int(host.sum())
+        mask = fb.spec_info.custom_mask
+        assert mask is not None and mask.dtype == torch.bool
+        # FULL_MASK sized from the host bound of the prefixes (exact when mirrored,
+        # else the reservation capped at the context: no device->host sync); the
+        # blocks sit at offsets from the exact device lengths, the tail is unused.
+        bound = prefixes if host_mirror else [
+            min(int(n), CONTEXT) for n in draft_input.nxt_kv_lens_cpu]
+        assert mask.numel() == sum(W * (n + W) for n in bound), (mask.numel(), bound, W)
+        assert torch.equal(fb.positions, fb.spec_info.positions)
+        assert torch.equal(fb.input_ids, fb.spec_info.draft_token)
+        logits = torch.full((bs * W, V), -2.0)
+        hidden = torch.zeros(bs * W, H)
+        new_k = torch.zeros(TARGET_LAYERS, bs * W, 1, HEAD_DIM)
+        new_v = torch.zeros(TARGET_LAYERS, bs * W, 1, HEAD_DIM)
+        off = 0
+        for b in range(bs):
+            p = prefixes[b]
+            loc = window(b, W)
+            assert torch.equal(fb.out_cache_loc[b * W:(b + 1) * W].long(), loc), "verify window"
+            assert translator_write_ids(fb)[b * W:(b + 1) * W].tolist() == loc.tolist()
+            m = mask[off:off + W * (p + W)].view(W, p + W)
+            off += W * (p + W)
+            assert bool(m[:, :p].all()), "every node attends to the whole prefix"
+            anc = m[:, p:]
+            toks = fb.input_ids[b * W:(b + 1) * W].tolist()
+            depth = (anc.sum(dim=1) - 1).tolist()
+            for i in range(W):
+                chain = sorted((j for j in range(W) if anc[i, j]), key=lambda j: depth[j])
+                assert chain[0] == 0 and chain[-1] == i and all(
+                    depth[c] == n for n, c in enumerate(chain)), (b, i, chain)
+                path = tuple(toks[c] for c in chain[1:])
+                assert toks[0] == bonus[b], "root is the bonus token"
+                if i:  # node i is the reference's i-th best prefix
+                    assert path == trees[b][i - 1], (b, i, path, trees[b][i - 1])
+                assert int(fb.positions[b * W + i]) == p + depth[i], "positions = prefix + depth"
+                code = path_code(bonus[b], path)
+                logits[b * W + i, target_next(plans[b], bonus[b], path)] = 3.0
+                hidden[b * W + i] = torch.tensor(target_hidden(code, depth[i], b))
+                for layer in range(TARGET_LAYERS):
+                    k, v = kv_marker(code, layer, depth[i])
+                    new_k[layer, b * W + i, 0] = torch.tensor(k)
+                    new_v[layer, b * W + i, 0] = torch.tensor(v)
+        assert off <= mask.numel()
+        # The forward's own KV, written as an attention layer does: the pool's
+        # write door at the batch's out_cache_loc (its bound plan's write ids).
+        for layer in range(TARGET_LAYERS):
+            kv_pool.set_kv_buffer(SimpleNamespace(layer_id=layer), KVWriteLoc.for_batch(fb),
+                                  new_k[layer], new_v[layer])
+        return GenerationBatchResult(
+            logits_output=LogitsProcessorOutput(next_token_logits=logits, hidden_states=hidden),
+            can_run_cuda_graph=False,
+        )
+
+    def translator_write_ids(fb):
+        return target_translator.write_ids(fb)
+
+    def draft_forward(fb):
+        assert fb.forward_mode == ForwardMode.TARGET_VERIFY
+        assert not calls["draft"], "draft forward called twice"
+        calls["draft"].append(fb.input_ids.numel())
+        assert fb.batch_size == bs and fb.input_ids.shape == (bs * block,)
+        ids = fb.input_ids.view(bs, block)
+        assert ids[:, 0].tolist() == bonus and bool((ids[:, 1:] == MASK_ID).all()), ids
+        pos = prefix_t.view(-1, 1) + torch.arange(block)
+        assert torch.equal(fb.positions.view(bs, block).long(), pos), fb.positions
+        assert torch.equal(fb.seq_lens, prefix_t)
+        host = prefix_t + block if host_mirror else draft_input.nxt_kv_lens_cpu.long()
+        assert torch.equal(fb.seq_lens_cpu.long(), host) and fb.seq_lens_sum == int(host.sum())
+        assert fb.spec_info is worker._draft_block_spec_info
+        assert fb.capture_hidden_mode == CaptureHiddenMode.NULL
+        assert torch.equal(fb.input_embeds, embed[fb.input_ids]), "noise = embedding of the block"
+        for b in range(bs):
+            assert fb.out_cache_loc[b * block:(b + 1) * block].long().tolist() == window(b, block).tolist()
+        assert draft_translator.write_ids(fb).tolist() == fb.out_cache_loc.long().tolist()
+        hs = torch.stack([draft_hidden(int(ids[b, 0]), int(pos[b, j])).float()
+                          for b in range(bs) for j in range(block)])
+        return ModelRunnerOutput(
+            logits_output=LogitsProcessorOutput(next_token_logits=None, hidden_states=hs),
+            can_run_graph=False,
+        )
+
+    def append_draft_kv(**kw):
+        calls["append"].append({k: (v.tolist() if torch.is_tensor(v) else v) for k, v in kw.items()})
+
+    target_runner = SimpleNamespace(
+        model=SimpleNamespace(lm_head=SimpleNamespace(weight=weight)),
+        model_config=model_config, device=dev, is_draft_worker=False,
+        req_to_token_pool=req_pool, token_to_kv_pool_allocator=allocator,
+        token_to_kv_pool=kv_pool, kv_index_translator=target_translator,
+        ngram_embedding_manager=SimpleNamespace(enabled=False), lora_manager=None,
+        decode_cuda_graph_runner=None, attn_backend=AttnBackend(), watermark_state=None,
+        spec_algorithm=SpeculativeAlgorithm.DFLASH,
+    )
+    target_worker = SimpleNamespace(model_runner=target_runner, device=dev,
+                                    forward_batch_generation=target_forward)
+    draft_runner = SimpleNamespace(kv_index_translator=draft_translator, forward=draft_forward,
+                                   model_config=model_config, token_to_kv_pool=draft_pool)
+
+    worker = object.__new__(cls)
+    worker.__dict__.update(
+        server_args=None, gpu_id=0, _target_worker=target_worker, model_runner=target_runner,
+        device=dev, page_size=1, ddtree_config=cfg, block_size=block,
+        speculative_num_draft_tokens=block, _mask_token_id=MASK_ID,
+        _block_pos_offsets=build_block_pos_offsets(length=block, device=dev),
+        _full_embed_gpu=embed, _noise_embed_scale=1.0,
+        _draft_block_spec_info=make_draft_block_spec_info(draft_token_num=block, device=dev),
+        draft_model_runner=draft_runner,
+        draft_parallel_layout=resolve_draft_parallel_layout(
+            model_draft_parallel_spec(None, spec_algorithm=SpeculativeAlgorithm.DFLASH),
+            collapse_cp=True),
+        _target_logits_processor=None, _tp_sync=SpecTpSync(get_dp_tp_group()),
+        _append_target_hidden_to_draft_kv_by_loc=append_draft_kv,
+        selector=None, lilicorr=None, _is_domino=False, _need_mamba_verify_commit=False,
+    )
+
+    seq_lens_in = batch.seq_lens
+    result = worker.forward_batch_generation(batch, on_publish=lambda n: calls["publish"].append(n.tolist()))
+
+    # -- what the test checks -------------------------------------------------
+    # The pool the step must leave, from the reference alone: the target's
+    # markers at every window slot (node i at slot i), then the k-th accepted
+    # node's at slot k (gather-then-scatter); everything else as before.
+    exp_k = [t.clone() for t in kv_before[0]]
+    exp_v = [t.clone() for t in kv_before[1]]
+    for b in range(bs):
+        loc = window(b, W).tolist()
+        node_paths = [()] + list(trees[b])
+        moves = [(loc[i], node_paths[i]) for i in range(W)]
+        moves += [(loc[k], tuple(p)) for k, p in enumerate(expect["paths"][b])]
+        for slot, path in moves:
+            for layer in range(TARGET_LAYERS):
+                k, v = kv_marker(path_code(bonus[b], path), layer, len(path))
+                exp_k[layer][slot, 0] = torch.tensor(k)
+                exp_v[layer][slot, 0] = torch.tensor(v)
+    lp = result.logits_output.next_token_logprobs
+    nd = result.next_draft_input
+    kv_k = [kv_pool.k_buffer[i][:, 0].tolist() for i in range(TARGET_LAYERS)]
+    kv_v = [kv_pool.v_buffer[i][:, 0].tolist() for i in range(TARGET_LAYERS)]
+    return {
+        "config": {"W": W, "D": D, "V": V, "block": block, "bs": bs, "prefixes": list(prefixes),
+                   "layers": TARGET_LAYERS, "reserve": reserve},
+        "result": {
+            "type": type(result).__name__,
+            "next_token_ids": result.next_token_ids.tolist(),
+            "accept_lens": result.accept_lens.tolist(),
+            "new_seq_lens": result.new_seq_lens.tolist(),
+            "num_draft_tokens": result.speculative_num_draft_tokens,
+            "can_run_cuda_graph": result.can_run_cuda_graph,
+            "hidden_dropped": result.logits_output.hidden_states is None,
+            "next_bonus": nd.bonus_tokens.tolist(),
+            "next_seq_lens": nd.new_seq_lens.tolist(),
+            "next_draft_type": type(nd).__name__,
+            "batch_mode": batch.forward_mode.name,
+            "next_token_logprobs": None if lp is None else lp.tolist(),
+            "record_stream": [type(x).__name__ for x in seq_lens_in.streams],
+        },
+        "calls": {
+            "target": len(calls["target"]), "target_kwargs": [sorted(k) for k in calls["target"]],
+            "draft_tokens": calls["draft"], "attn_init": len(calls["attn_init"]),
+            "publish": calls["publish"], "append": calls["append"],
+        },
+        "expect": {
+            "out": expect["out"], "ids": expect["ids"],
+            "codes": [[path_code(bonus[b], p) for p in expect["paths"][b]] for b in range(bs)],
+            "depths": [[len(p) for p in expect["paths"][b]] for b in range(bs)],
+            "bonus": bonus, "min_score_gap": min_gap, "plans": plans,
+            "trees": [[list(p) for p in t] for t in trees],
+        },
+        "slots": {
+            "rows": [req_to_token[row, :n].tolist() for row, n in zip(rows, slots_needed)],
+            "allocated": flat.tolist(),
+        },
+        "kv": {"k": kv_k, "v": kv_v,
+               "k_expected": [t[:, 0].tolist() for t in exp_k],
+               "v_expected": [t[:, 0].tolist() for t in exp_v],
+               "k_before": [t[:, 0].tolist() for t in kv_before[0]]},
+    }

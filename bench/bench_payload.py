@@ -23,6 +23,7 @@ import time
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.dont_write_bytecode = True  # no __pycache__ inside the patch set (deploy refuses unlisted files)
 sys.path.insert(0, str(ROOT / "patches" / "ddtree-temp" / "files"))
 from sglang.srt.speculative import ddtree_utils as du  # noqa: E402
 

@@ -85,6 +85,7 @@ def _load_ddtree_utils():
 
 
 du = _load_ddtree_utils()
+sys.dont_write_bytecode = True  # no __pycache__ inside the patch set (deploy refuses unlisted files)
 sys.path.insert(0, str(PAYLOAD_FILES))
 sys.path.insert(0, str(ROOT / "bench"))
 try:  # the paper's heap; bench_payload is maintained beside this file

@@ -19,6 +19,10 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 PATCH_DIR = REPO / "patches" / "ddtree-temp"
 FILES_DIR = PATCH_DIR / "files"
 
+# Nothing the tests import may leave bytecode in the patch set: every file under files/ is
+# shipped, and the patch-set loader refuses an unlisted one.
+sys.dont_write_bytecode = True
+
 if importlib.util.find_spec("sglang") is None:
     sys.path.insert(0, str(FILES_DIR))
 
@@ -28,3 +32,7 @@ def du():
     from sglang.srt.speculative import ddtree_utils
 
     return ddtree_utils
+
+
+# The patched-sglang overlay, shared by every test that runs code against the real 0.5.23.
+from sglang_env import sglang_overlay  # noqa: E402,F401

@@ -41,7 +41,7 @@ import subprocess
 import sys
 
 import pytest
-from sglang_env import run_sglang, sglang_overlay  # noqa: F401  (fixture)
+from sglang_env import run_sglang
 
 pytestmark = pytest.mark.sglang
 
@@ -547,7 +547,7 @@ def test_ddtree_kv_imports_with_the_standard_library_only():
         "assert not bad, bad\n"
         "print(m.ddtree_decode_reserve(16, 64))\n"
     )
-    r = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-I", "-B", "-c", code], capture_output=True, text=True,
                        check=False)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "81"

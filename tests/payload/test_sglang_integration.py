@@ -8,8 +8,14 @@ independent construction.
 
 from __future__ import annotations
 
+import json
+import shlex
+
 import pytest
-from sglang_env import run_sglang, sglang_overlay  # noqa: F401  (fixture)
+from sglang_env import REPO, run_sglang
+
+from ddtree_ops import units
+from ddtree_ops.inventory import load_inventory
 
 pytestmark = pytest.mark.sglang
 
@@ -156,7 +162,7 @@ def test_verify_input_attention_args_match_an_independent_construction(sglang_ov
     rtt = out["req_to_token"]
     # kv indices: each request's prefix slots, then its W tree slots, from req_to_token
     want_idx, want_indptr = [], [0]
-    for r, p in zip(rpi, prefix):
+    for r, p in zip(rpi, prefix, strict=True):
         want_idx += rtt[r][: p + W]
         want_indptr.append(want_indptr[-1] + p + W)
     assert out["kv_indices"][: want_indptr[-1]] == want_idx
@@ -179,14 +185,6 @@ def test_verify_input_attention_args_match_an_independent_construction(sglang_ov
 def test_the_ct200_launch_line_parses_with_sglangs_own_parser(sglang_overlay, tmp_path):
     """The unit ddtree-ops renders for CT200 (nothing connects anywhere), fed to 0.5.23's parser
     with the patch set: a flag it rejects would only show once CT200 had stopped DFlash."""
-    import json
-    import shlex
-
-    from ddtree_ops import units
-    from ddtree_ops.inventory import load_inventory
-
-    from sglang_env import REPO
-
     text = units.render_unit(load_inventory(REPO / "inventory" / "ct200.yaml").host("ct200"))
     line = next(ln for ln in units._logical_lines(text) if ln.startswith("ExecStart="))
     argv = shlex.split(line[len("ExecStart="):])

@@ -37,7 +37,7 @@ import math
 import pathlib
 
 import pytest
-from sglang_env import run_sglang, sglang_overlay  # noqa: F401  (fixture)
+from sglang_env import run_sglang
 
 pytestmark = pytest.mark.sglang
 

@@ -450,3 +450,57 @@ def test_builder_cuda_graph_and_sync_free(du):
     torch.cuda.synchronize()
     for a, b, c in zip(ref, out, captured):
         assert torch.equal(a, b.cpu()) and torch.equal(a, c.cpu())
+
+
+# ---------------------------------------------------------------------------
+# Exact edge cases: signed zeros, clamped positive log-probs, -inf, and the
+# retrieve encoding against a brute force on arbitrary parent arrays
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_builder_signed_zeros_and_positive_logprobs_follow_rule(du, seed):
+    # +0.0, -0.0 and positive log-probs (clamped to 0) all tie at score 0; the
+    # tie rule alone orders them. -inf tokens are never nodes.
+    g = torch.Generator().manual_seed(500 + seed)
+    budget = [6, 16, 40, 64][seed % 4]
+    depth = [2, 4, 7, 15][seed % 4]
+    k = [3, 5, budget][seed % 3]
+    pool = torch.tensor([0.5, 0.0, -0.0, -1.0, -2.0, float("-inf")])
+    v = pool[torch.randint(0, len(pool), (2, depth, k), generator=g)]
+    v = torch.sort(v, dim=-1, descending=True).values
+    ids = torch.randint(0, 1000, (2, depth, k), generator=g)
+    tree = du.build_ddtree_tree((v, ids), budget, k)
+    for b in range(2):
+        _assert_tree_equals(tree, b, rule_tree(v[b].clamp(max=0.0), ids[b], budget, k))
+
+
+def _retrieve_brute_force(parents, scores):
+    n = len(parents)
+    first, nxt = [-1] * n, [-1] * n
+    for p in range(n):
+        kids = sorted((c for c in range(n) if c != 0 and parents[c] == p), key=lambda c: (-scores[c], c))
+        if kids:
+            first[p] = kids[0]
+        for a, z in zip(kids, kids[1:]):
+            nxt[a] = z
+    return first, nxt
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_retrieve_encoding_matches_brute_force_on_any_parents(du, seed):
+    # not only builder trees: parents in any order, many exact score ties
+    # (+0.0 and -0.0 included), padding slots anywhere
+    g = torch.Generator().manual_seed(900 + seed)
+    bs, n = 3, [2, 5, 17, 33, 65, 100][seed]
+    parents = torch.randint(0, n, (bs, n), generator=g)
+    parents[torch.rand(bs, n, generator=g) < 0.2] = -1
+    parents[:, 0] = -1
+    pool = torch.tensor([0.0, -0.0, -1.0, -1.5, -3.0])
+    scores = pool[torch.randint(0, len(pool), (bs, n), generator=g)]
+    enc = du.compile_ddtree_retrieve(parents, scores)
+    assert enc.retrive_index.tolist() == [[b * n + i for i in range(n)] for b in range(bs)]
+    for b in range(bs):
+        first, nxt = _retrieve_brute_force(parents[b].tolist(), scores[b].tolist())
+        assert enc.retrive_next_token[b].tolist() == first
+        assert enc.retrive_next_sibling[b].tolist() == nxt

@@ -96,22 +96,26 @@ def draft_topk_logprobs(
 # half a float64 ulp of any nonzero float32). Every key is < 0, so the int64
 # view of the key orders candidates (smallest int64 = largest key); topk on
 # int64 has no NaN handling and is several times faster on CPU than on floats.
+# The int64 view of -0.0, INT64_MIN, is below every key: the root's key when
+# looking parents up among the selected keys.
 _KEY_TINY = 2.0**-1000
+_KEY_ROOT = -(2**63)
 
 
 class _BuildPlan(NamedTuple):
     depth: int  # depths that can hold a node (<= L)
-    widths: tuple[int, ...]  # beam width per depth (entries kept)
     survivors: tuple[int, ...]  # sorted survivors depth t exposes to depth t+1
-    pair_i: tuple[torch.Tensor | None, ...]  # depth t >= 1: survivor rank per pair
-    key_mult: tuple[torch.Tensor, ...]  # per depth: float64 1 + g * eps
-    key_neg: tuple[torch.Tensor, ...]  # per depth: float64 -(g + 1) * tiny
-    lp_index: torch.Tensor | None  # [sum P] flat t * K + j of each pair, depths >= 1
+    n_ids: int  # U: candidates scored over all depths (columns of the key buffer)
+    counts: tuple[int, ...]  # per depth: its candidates (consecutive columns)
+    key_mult0: torch.Tensor  # depth 1: float64 1 + g * eps
+    key_neg0: torch.Tensor  # depth 1: float64 -(g + 1) * tiny
+    # depths >= 2: (survivor rank per pair, key_neg, key_mult, number of
+    # sorted survivors kept for the next depth)
+    steps: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int], ...]
+    lp_index: torch.Tensor | None  # [U - K] flat t * K + j of each pair, depths >= 1
     lp_splits: tuple[int, ...]
-    slot_table: torch.Tensor  # [G, 3] per beam slot: pair-id base, depth (1-based), parent beam offset
-    pair_table: torch.Tensor  # [U, 2] per pair id: survivor-list index of the parent, flat token index
-    first_index: torch.Tensor  # arange(K)
-    node_ids: torch.Tensor  # arange(1, take + 1)
+    pair_table: torch.Tensor  # [U, 3] per candidate g: parent survivor-list index, flat token index, depth
+    root_key: torch.Tensor  # [1, 1] int64 _KEY_ROOT: the root's entry of the survivor list
     fill: torch.Tensor  # [3, 1, 1] (token, parent, depth) of the root and of padding
     take: int
 
@@ -155,13 +159,16 @@ def _pair_lists(budget: int, k: int, depth_max: int):
 
 
 @functools.lru_cache(maxsize=64)
-def _build_plan(budget: int, k: int, depth_max: int, device: torch.device) -> _BuildPlan:
+def _build_plan(
+    budget: int, k: int, depth_max: int, kmax: int, device: torch.device
+) -> _BuildPlan:
     widths, pis, pjs = _pair_lists(budget, k, depth_max)
     depth = len(widths)
     survivors = tuple(
         (max(pis[t + 1]) + 1) if t + 1 < depth else 0 for t in range(depth)
     )
-    # global candidate ids g, depth-major: depth 1 -> j, depth t+1 -> base_t + q
+    # global candidate ids g = column in the key buffer, depth-major then pair
+    # index (depth 1: g = j)
     base = [0]
     for t in range(1, depth):
         base.append(base[-1] + len(pjs[t - 1]))
@@ -170,51 +177,43 @@ def _build_plan(budget: int, k: int, depth_max: int, device: torch.device) -> _B
     if 30 + bits > 50:  # pragma: no cover - budgets in the millions
         raise ValueError(f"budget {budget} too large for the tie-break keys")
     eps = 2.0 ** -(30 + bits)
-
-    def key_consts(t):
-        g = torch.arange(len(pjs[t]), dtype=torch.float64) + base[t]
-        return (1.0 + g * eps).to(device), (-(g + 1.0) * _KEY_TINY).to(device)
-
-    consts = [key_consts(t) for t in range(depth)]
-    n_slots = sum(widths)
-    beam_off = [0]
-    for w in widths[:-1]:
-        beam_off.append(beam_off[-1] + w)
-    sx_off = [0]
+    g = torch.arange(n_ids, dtype=torch.float64)
+    mult = (1.0 + g * eps).to(device)
+    neg = (-(g + 1.0) * _KEY_TINY).to(device)
+    # survivor list: [root, survivors of depth 1 (by position), of depth 2, ...]
+    sx_off = [1]
     for h in survivors[:-1]:
         sx_off.append(sx_off[-1] + h)
-    # Depth-1 slots point at survivor-list entry 0 (position 0 of the top-k
-    # list) in a virtual beam at offset n_slots, the root's column of node_of.
-    slot_rows = [
-        torch.tensor(
-            [base[t], t + 1, beam_off[t - 1] if t else n_slots], dtype=torch.long
-        ).expand(w, 3)
-        for t, w in enumerate(widths)
-    ]
-    pair_rows = [[0, j] for j in range(k)]
+    rows = [[0, j, 1] for j in range(k)]
     for t in range(1, depth):
-        pair_rows += [[sx_off[t - 1] + i, t * k + j] for i, j in zip(pis[t], pjs[t])]
+        rows += [[sx_off[t - 1] + i, t * kmax + j, t + 1] for i, j in zip(pis[t], pjs[t])]
     lp_index = None
     if depth > 1:
         lp_index = torch.cat(
             [torch.tensor(pjs[t], dtype=torch.long) + t * k for t in range(1, depth)]
         ).to(device)
-    take = min(budget, n_slots)
     return _BuildPlan(
         depth=depth,
-        widths=tuple(widths),
         survivors=survivors,
-        pair_i=(None,) + tuple(torch.tensor(pis[t], dtype=torch.long).to(device) for t in range(1, depth)),
-        key_mult=tuple(c[0] for c in consts),
-        key_neg=tuple(c[1] for c in consts),
+        n_ids=n_ids,
+        counts=tuple(len(p) for p in pjs),
+        key_mult0=mult[:k],
+        key_neg0=neg[:k],
+        steps=tuple(
+            (
+                torch.tensor(pis[t], dtype=torch.long).to(device),
+                neg[base[t] : base[t] + len(pjs[t])],
+                mult[base[t] : base[t] + len(pjs[t])],
+                survivors[t],
+            )
+            for t in range(1, depth)
+        ),
         lp_index=lp_index,
         lp_splits=tuple(len(pjs[t]) for t in range(1, depth)),
-        slot_table=torch.cat(slot_rows).to(device),
-        pair_table=torch.tensor(pair_rows, dtype=torch.long).to(device),
-        first_index=torch.arange(k, device=device),
-        node_ids=torch.arange(1, take + 1, device=device),
+        pair_table=torch.tensor(rows, dtype=torch.long).to(device),
+        root_key=torch.full((1, 1), _KEY_ROOT, dtype=torch.long).to(device),
         fill=torch.tensor([0, -1, 0], dtype=torch.long).view(3, 1, 1).to(device),
-        take=take,
+        take=min(budget, sum(widths)),
     )
 
 
@@ -279,22 +278,24 @@ def build_ddtree_tree(
 
     Algorithm: static shapes, no host synchronisation (no ``.item()``, no
     boolean indexing, no data-dependent shapes), so it can be captured in a
-    CUDA graph once its per-(budget, K, L, device) plan is cached (any warm-up
-    call does that); the loop runs over depths only. The *beam* of depth ``d``
-    is the best ``budget - d + 1`` prefixes of depth ``d`` (a final-tree node
-    of depth ``d`` has at most ``budget - d`` same-depth prefixes ahead of it,
-    plus ``d - 1`` ancestors). Its members are children of the beam of depth
-    ``d-1`` and only the :func:`admissible_pairs` ``(i, j)`` with ``(i+1)(j+2)
-    <= budget - d + 2`` can be final-tree nodes, about ``budget * ln(budget)``
-    candidates per depth instead of ``budget * K``. Each depth scores those
-    (one gather and one add in float32), turns the scores into unique int64
-    tie-break keys (the order above: score, then depth, then pair index, whose
-    lexicographic (i, j) order is parent order then token rank), keeps its beam
-    with one unsorted ``topk`` and sorts only its best ``(budget - d + 1) // 2``
-    entries, the only ones that can have a child in the tree, as the next
-    depth's survivors. The tree is the best ``budget`` of the union of beams
-    (one ``topk``): the union holds every final-tree node, and the selection
-    is prefix-closed, so every parent is selected and comes before its child.
+    CUDA graph once its per-(budget, K, L, top-k width, device) plan is cached
+    (any warm-up call does that); the loop runs over depths only. A final-tree
+    node of depth ``d`` is a child of one of the best prefixes of depth ``d-1``
+    (the *survivors*, sorted) and only the :func:`admissible_pairs` ``(i, j)``
+    with ``(i+1)(j+2) <= budget - d + 2`` can be final-tree nodes, about
+    ``budget * ln(budget)`` candidates per depth instead of ``budget * K``.
+    Each depth scores those (one gather and one add in float32) and writes
+    their unique tie-break keys (the order above: score, then depth, then pair
+    index, whose lexicographic (i, j) order is parent order then token rank)
+    into one key buffer for all depths; one sorted ``topk`` picks its best
+    ``(budget - d + 1) // 2`` candidates, the only ones that can have a child
+    in the tree, as the next depth's survivors. The tree is the best ``budget``
+    candidates of all depths (one ``topk`` over the key buffer): every
+    final-tree node is a candidate, every other candidate has at least
+    ``budget`` prefixes ahead of it, and the selection is prefix-closed, so
+    every parent is selected and comes before its child; a node's parent number
+    is the rank of the parent's key among the selected keys (one
+    ``searchsorted``).
     """
     if budget < 1:
         raise ValueError(f"budget must be >= 1, got {budget}")
@@ -324,53 +325,49 @@ def build_ddtree_tree(
             out[0, :, 0] = root_tokens.to(device=device, dtype=torch.long).reshape(bs)
         return DDTree(out[0], parents, out[1], scores)
 
-    plan = _build_plan(budget, k, depth_max, device)
+    plan = _build_plan(budget, k, depth_max, kmax, device)
     depth = plan.depth
     lp = top_lp[:, :depth, :k].clamp(max=0.0)  # [bs, D, K] (a copy)
+    # tie-break keys of every candidate of every depth, float64 [bs, U] (and
+    # its int64 view)
+    key_buf = torch.empty(bs, plan.n_ids, dtype=torch.float64, device=device)
+    keys = key_buf.view(torch.int64)
+    key_cols = key_buf.split(plan.counts, 1)  # per depth
     first = lp[:, 0]
-    keys = [torch.addcmul(plan.key_neg[0], first, plan.key_mult[0]).view(torch.int64)]
-    beam_idx = [plan.first_index.expand(bs, k)]
-    surv_pos = []  # per depth: beam positions of its sorted survivors
+    torch.addcmul(plan.key_neg0, first, plan.key_mult0, out=key_cols[0])
+    h = plan.survivors[0]
+    surv_keys = [keys[:, :h]]  # per depth: keys of its sorted survivors (depth 1: by position)
     surv = first  # float32 scores of the sorted survivors of the last depth
-    if plan.survivors[0]:
-        surv_pos.append(plan.first_index[: plan.survivors[0]].expand(bs, plan.survivors[0]))
+    lpp = ()
     if depth > 1:
-        # log-probability of every pair's token, all depths: [bs, sum P]
+        # log-probability of every pair's token, all depths: [bs, U - K]
         lpp = lp.reshape(bs, depth * k).index_select(1, plan.lp_index).split(plan.lp_splits, 1)
-    for t in range(1, depth):
-        cand = surv.index_select(1, plan.pair_i[t]).add_(lpp[t - 1])
-        key = torch.addcmul(plan.key_neg[t], cand, plan.key_mult[t]).view(torch.int64)
-        val, idx = key.topk(plan.widths[t], dim=1, largest=False, sorted=False)
-        keys.append(val)
-        beam_idx.append(idx)
-        h = plan.survivors[t]
+    for (pair_i, key_neg, key_mult, h), lp_t, key in zip(plan.steps, lpp, key_cols[1:]):
+        # candidate scores (float32, root first), then their keys
+        cand = surv.index_select(1, pair_i).add_(lp_t)
+        torch.addcmul(key_neg, cand, key_mult, out=key)
         if h:
-            sval, spos = val.topk(h, dim=1, largest=False, sorted=True)
+            sval = key.view(torch.int64).topk(h, dim=1, largest=False, sorted=True).values
+            surv_keys.append(sval)
             surv = sval.view(torch.float64).float()
-            surv_pos.append(spos)
 
     take = plan.take
-    all_keys = torch.cat(keys, 1) if depth > 1 else keys[0]  # [bs, G]
-    # beam slots of the tree nodes, best first
-    sel_keys, sel = all_keys.topk(take, dim=1, largest=False, sorted=True)
+    # the tree: the best `take` candidates of all depths, best first
+    sel_keys, sel = keys.topk(take, dim=1, largest=False, sorted=True)
     sel_scores = sel_keys.view(torch.float64).float()
     valid = sel_scores > float("-inf")  # NaN and -inf are not nodes
-
-    slot = plan.slot_table.index_select(0, sel.view(-1)).view(bs, take, 3)
-    all_idx = torch.cat(beam_idx, 1) if depth > 1 else beam_idx[0]
-    pair_id = all_idx.gather(1, sel).add_(slot[..., 0])
-    pair = plan.pair_table.index_select(0, pair_id.view(-1)).view(bs, take, 2)
-    tok = torch.gather(top_ids[:, :depth, :k].reshape(bs, depth * k), 1, pair[..., 1])
+    # (parent survivor-list index, flat token index, depth) of each node
+    row = plan.pair_table.index_select(0, sel.view(-1)).view(bs, take, 3)
+    tok = torch.gather(top_ids.reshape(bs, depth_max * kmax), 1, row[..., 1])
     if depth > 1:
-        # parent's beam slot -> its node number; slot n_slots is the root (0)
-        par_slot = slot[..., 2] + torch.gather(torch.cat(surv_pos, 1), 1, pair[..., 0])
-        node_of = torch.zeros(bs, all_keys.shape[1] + 1, dtype=torch.long, device=device)
-        node_of.scatter_(1, sel, plan.node_ids.expand(bs, take))
-        par = torch.gather(node_of, 1, par_slot)
+        # the parent's key, then its node number: the number of selected keys
+        # <= it (root: _KEY_ROOT, below every key, gives 0)
+        surv_list = torch.cat([plan.root_key.expand(bs, 1)] + surv_keys, 1)
+        par = torch.searchsorted(sel_keys, torch.gather(surv_list, 1, row[..., 0]), right=True)
     else:
-        par = torch.zeros_like(sel)
+        par = row[..., 0]  # all 0: the root
     # (token, parent, depth) rows; padding and the root are (0, -1, 0)
-    body = torch.where(valid, torch.stack([tok, par, slot[..., 1]]), plan.fill)
+    body = torch.where(valid, torch.stack([tok, par, row[..., 2]]), plan.fill)
     root = plan.fill.expand(3, bs, 1)
     if root_tokens is not None:
         rt = root_tokens.to(device=device, dtype=torch.long).reshape(1, bs, 1)
@@ -401,36 +398,26 @@ def compile_ddtree_retrieve(
     bs, n = parents.shape
     device = parents.device
     parents = parents.long()
-    idx = torch.arange(n, device=device).expand(bs, n)
     valid = parents >= 0
-    # Group key: parent (padding and root go to group n, dropped below).
-    group = torch.where(valid, parents, torch.full_like(parents, n))
+    # Group key: the parent; the root and padding each get a group of their own
+    # (n + index), so they are never anyone's sibling and sort last.
+    group = torch.where(valid, parents, torch.arange(n, 2 * n, device=device))
     # Order by (group asc, score desc, index asc): two stable sorts.
-    sc = torch.where(valid, scores.float(), torch.zeros_like(scores, dtype=torch.float32))
+    sc = torch.where(valid, scores.float(), 0.0)
     o1 = torch.sort(sc, dim=1, descending=True, stable=True).indices
-    g1 = torch.gather(group, 1, o1)
-    o2 = torch.sort(g1, dim=1, stable=True).indices
+    g_sorted, o2 = torch.sort(torch.gather(group, 1, o1), dim=1, stable=True)
     order = torch.gather(o1, 1, o2)  # node ids in (group, -score, index) order
-    g_sorted = torch.gather(group, 1, order)
-
-    same_next = torch.zeros_like(g_sorted, dtype=torch.bool)
-    same_next[:, :-1] = g_sorted[:, 1:] == g_sorted[:, :-1]
-    nxt = torch.full_like(order, -1)
-    nxt[:, :-1] = torch.where(same_next[:, :-1], order[:, 1:], -1)
-    nxt = torch.where(g_sorted < n, nxt, torch.full_like(nxt, -1))
+    # same[:, p]: positions p and p + 1 of the order are siblings
+    same = g_sorted[:, 1:] == g_sorted[:, :-1]
     next_sibling = torch.full((bs, n), -1, dtype=torch.long, device=device)
-    next_sibling.scatter_(1, order, nxt)
-
-    is_first = torch.ones_like(g_sorted, dtype=torch.bool)
-    is_first[:, 1:] = g_sorted[:, 1:] != g_sorted[:, :-1]
-    is_first &= g_sorted < n
-    first_child = torch.full((bs, n + 1), -1, dtype=torch.long, device=device)
-    first_child.scatter_(
-        1, torch.where(is_first, g_sorted, n), torch.where(is_first, order, -1)
-    )
-    first_child = first_child[:, :n]
-    retrive_index = idx + torch.arange(bs, device=device).unsqueeze(1) * n
-    return RetrieveEncoding(retrive_index.contiguous(), first_child, next_sibling)
+    next_sibling.scatter_(1, order[:, :-1], torch.where(same, order[:, 1:], -1))
+    # the first of each group is its parent's first child; groups >= n (root,
+    # padding) and the non-first (column 2n) land past column n
+    first_child = torch.full((bs, 2 * n + 1), -1, dtype=torch.long, device=device)
+    first_child.scatter_(1, g_sorted[:, :1], order[:, :1])
+    first_child.scatter_(1, torch.where(same, 2 * n, g_sorted[:, 1:]), order[:, 1:])
+    retrive_index = torch.arange(bs * n, device=device).view(bs, n)
+    return RetrieveEncoding(retrive_index, first_child[:, :n], next_sibling)
 
 
 def decode_retrieve_parents(

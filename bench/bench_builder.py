@@ -18,7 +18,6 @@ torch version, threads, load average).
 from __future__ import annotations
 
 import argparse
-import heapq
 import json
 import os
 import pathlib
@@ -35,48 +34,16 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.dont_write_bytecode = True  # no __pycache__ inside the patch set (deploy refuses unlisted files)
 sys.path.insert(0, str(ROOT / "patches" / "ddtree-temp" / "files"))
+sys.path.insert(0, str(ROOT / "bench"))
+from bench_payload import heap_build  # noqa: E402  (the paper's heap: one copy)
 from sglang.srt.speculative import ddtree_utils as du
 
 DEPTH = 15
 VOCAB = 151_936
 MAIN = (32, 64)
 SHAPES = [(32, 64), (1, 16), (1, 256), (8, 16), (8, 256)]
-
-
-def heap_build(top_lp: torch.Tensor, top_ids: torch.Tensor, budget: int):
-    """The paper's best-first heap for one request, plus a Python retrieve
-    compile (first child / next sibling); inputs are per-depth top-k lists.
-    Same as ``bench_payload.heap_build``, also returning the scores."""
-    vals = top_lp.tolist()
-    ids = top_ids.tolist()
-    L, K = len(vals), len(vals[0])
-    tok, par, sc = [0], [-1], [0.0]
-    heap = [(-vals[0][0], (0,), 0)]
-    while heap and len(tok) - 1 < budget:
-        neg, ranks, parent = heapq.heappop(heap)
-        idx = len(tok)
-        d = len(ranks)
-        tok.append(ids[d - 1][ranks[-1]])
-        par.append(parent)
-        sc.append(-neg)
-        if ranks[-1] + 1 < K:
-            heapq.heappush(heap, (neg + vals[d - 1][ranks[-1]] - vals[d - 1][ranks[-1] + 1],
-                                  ranks[:-1] + (ranks[-1] + 1,), parent))
-        if d < L:
-            heapq.heappush(heap, (neg - vals[d][0], ranks + (0,), idx))
-    n = budget + 1
-    first = [-1] * n
-    nxt = [-1] * n
-    last = [-1] * n
-    for i in range(1, len(tok)):  # nodes come out in score order: siblings too
-        p = par[i]
-        if first[p] == -1:
-            first[p] = i
-        else:
-            nxt[last[p]] = i
-        last[p] = i
-    return tok, par, first, nxt, sc
 
 
 def check_equal(top, budget, tree, enc) -> dict:

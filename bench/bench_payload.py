@@ -33,7 +33,9 @@ VOCAB = 151_936
 
 def heap_build(top_lp: torch.Tensor, top_ids: torch.Tensor, budget: int):
     """The paper's best-first heap for one request, plus a Python retrieve
-    compile (first child / next sibling); inputs are per-depth top-k lists."""
+    compile (first child / next sibling); inputs are per-depth top-k lists.
+    Returns (tokens, parents, first child, next sibling, scores); bench_builder
+    and gpu_kernels use this one copy."""
     vals = top_lp.tolist()
     ids = top_ids.tolist()
     L, K = len(vals), len(vals[0])
@@ -47,7 +49,8 @@ def heap_build(top_lp: torch.Tensor, top_ids: torch.Tensor, budget: int):
         par.append(parent)
         sc.append(-neg)
         if ranks[-1] + 1 < K:
-            heapq.heappush(heap, (neg + vals[d - 1][ranks[-1]] - vals[d - 1][ranks[-1] + 1], ranks[:-1] + (ranks[-1] + 1,), parent))
+            heapq.heappush(heap, (neg + vals[d - 1][ranks[-1]] - vals[d - 1][ranks[-1] + 1],
+                                  ranks[:-1] + (ranks[-1] + 1,), parent))
         if d < L:
             heapq.heappush(heap, (neg - vals[d][0], ranks + (0,), idx))
     n = budget + 1
@@ -61,7 +64,7 @@ def heap_build(top_lp: torch.Tensor, top_ids: torch.Tensor, budget: int):
         else:
             nxt[last[p]] = i
         last[p] = i
-    return tok, par, first, nxt
+    return tok, par, first, nxt, sc
 
 
 def timeit(fn, sync, reps, warm=1):

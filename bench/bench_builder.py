@@ -38,7 +38,7 @@ sys.dont_write_bytecode = True  # no __pycache__ inside the patch set (deploy re
 sys.path.insert(0, str(ROOT / "patches" / "ddtree-temp" / "files"))
 sys.path.insert(0, str(ROOT / "bench"))
 from bench_payload import heap_build  # noqa: E402  (the paper's heap: one copy)
-from sglang.srt.speculative import ddtree_utils as du
+from sglang.srt.speculative import ddtree_utils as du  # noqa: E402
 
 DEPTH = 15
 VOCAB = 151_936

@@ -301,7 +301,9 @@ def _build_worker_cls() -> type:
                 int(self.block_size),
             )
             draft_hidden, block_plan = self.ddtree_draft_block(batch, draft_input)
-            top_lp, top_ids = self.ddtree_draft_topk(draft_hidden)
+            # The LM head runs in the draft's TP placement, as DFlash's greedy head does.
+            with draft_tp_context(self.draft_parallel_layout):
+                top_lp, top_ids = self.ddtree_draft_topk(draft_hidden)
             verify_input = self.ddtree_verify_input(batch, draft_input, top_lp, top_ids, host_prefix)
             target_out, logits_output = self.ddtree_target_verify(batch, draft_input, verify_input)
             return self.ddtree_accept_and_commit(

@@ -49,6 +49,11 @@ CPU kernel for ``record_stream``). The server arguments say ``--device cuda``
 (DFLASH's argument hook refuses ``cpu``); every tensor of the step is on the CPU.
 The worker is ``object.__new__`` + the attributes ``DFlashWorkerV2.__init__`` /
 ``DDTreeWorkerV2.__init__`` would set (those load models and capture graphs).
+
+Sampled batches (``run_case(sampling=...)``, test_worker_sampled_cpu): the
+sampled requests see :func:`spread_logits`, ``eagle_sample`` takes its sampling
+branch with the kernels :func:`_patch_sampling` puts in, and the expectations
+follow the walk the committed tokens take (:func:`walk_tokens`).
 """
 
 from __future__ import annotations
@@ -193,6 +198,51 @@ def expected_step(root: int, plan, nodes, max_depth: int):
             return out, ids, paths
 
 
+# -- the sampled toy target (test_worker_sampled_cpu) ---------------------------
+
+# Logits of a sampled request's node, by rank: the draft's candidates for the
+# next depth interleaved with other tokens, so the target's mass is split
+# between tree children (accepted) and non-children (rejected, final sample).
+PROFILE = (2.0, 1.6, 1.3, 1.0, 0.6, 0.2, -0.3, -0.8, -1.5, -2.0)
+LOW = -30.0  # every other token (and MASK_ID)
+
+
+def spread_logits(top, root: int, path, max_depth: int) -> list:
+    """The toy target's logits at node ``root, *path`` of a sampled request:
+    ``PROFILE`` over ``[c0, o0, c1, o1, ...]`` (``c`` = the draft's top tokens
+    at the next depth in rank order, none at ``max_depth``; ``o`` = the other
+    tokens in a path-dependent hash order), ``LOW`` elsewhere."""
+    path = tuple(int(t) for t in path)
+    fav = [t for t, _ in top[len(path)]] if len(path) < max_depth else []
+    code = path_code(root, path)
+    rest = sorted((t for t in range(V - 1) if t not in fav), key=lambda t: (t * 7919 + code) % 9973)
+    order = []
+    for i in range(max(len(fav), len(rest))):
+        order += ([fav[i]] if i < len(fav) else []) + ([rest[i]] if i < len(rest) else [])
+    out = [LOW] * V
+    for rank, t in enumerate(order[: len(PROFILE)]):
+        out[t] = PROFILE[rank]
+    return out
+
+
+def walk_tokens(root: int, tokens, nodes, max_depth: int):
+    """The tree walk committed ``tokens`` describe (reference tree ``nodes``):
+    every token but the last is a child of the previous node, the last (the
+    final sample) is not a child of the last accepted node. Returns
+    ``(node ids, paths, valid)``."""
+    index = {p: i + 1 for i, p in enumerate(nodes)}
+    cur, ids, paths = (), [0], [()]
+    for t in tokens[:-1]:
+        nxt = cur + (int(t),)
+        if len(cur) >= max_depth or nxt not in index:
+            return ids, paths, False
+        cur = nxt
+        ids.append(index[nxt])
+        paths.append(nxt)
+    valid = len(tokens) >= 1 and not (len(cur) < max_depth and cur + (int(tokens[-1]),) in index)
+    return ids, paths, valid
+
+
 # -- the step ------------------------------------------------------------------
 
 class StreamRecordedTensor(torch.Tensor):
@@ -259,12 +309,114 @@ def _patch_kernels(no_kv_move: bool):
         spec_utils.move_accept_tokens_to_target_kvcache = lambda *a, **k: None
 
 
+def _patch_sampling(mutation: str | None, renorm: str, kernel_calls: dict):
+    """``eagle_sample``'s sampling branch on this host (test_worker_sampled_cpu).
+
+    * ``eagle_utils._is_cpu`` is already False here (``SGLANG_USE_CPU_ENGINE``
+      unset): set False so the branch is selected whatever the environment.
+    * ``sampling_softmax`` (temperature softmax) is SGLang's own: its CPU path
+      is ``torch.softmax(logits / temperatures)``. Not replaced.
+    * ``top_k_renorm_prob`` / ``top_p_renorm_prob`` are ``None`` off CUDA/HIP/
+      NPU/MUSA. ``renorm="torch"``: the payload's PyTorch references
+      ``ddtree_utils.top_k_renorm_probs`` / ``top_p_renorm_probs``.
+      ``renorm="triton"``: SGLang's ROCm implementation (``renorm_triton``:
+      torch sort and pivot + its Triton mask/normalise kernels, FlashInfer's
+      threshold semantics) in Triton's interpreter, only its ``_prepare_probs``
+      device check (CUDA/HIP tensors only) lifted; each call is compared with
+      the PyTorch reference (largest difference in ``renorm_max_diff``). The
+      interpreter takes ~5 ms per probability row, hence both.
+    * ``tree_speculative_sampling_target_only`` (CUDA JIT kernel, ``None``
+      here): the payload's PyTorch reference
+      ``ddtree_utils.tree_speculative_sampling_reference`` (same keyword
+      arguments, same in-place outputs). ``mutation="first_child"``: its coins
+      are zeroed, i.e. the first child with non-zero probability is always
+      accepted (a control the distribution test must reject)."""
+    from sglang.kernels.ops.sampling import renorm_triton
+    from sglang.srt.speculative import eagle_utils
+    from sglang.srt.speculative.ddtree_utils import (
+        top_k_renorm_probs,
+        top_p_renorm_probs,
+        tree_speculative_sampling_reference,
+    )
+
+    kernel_calls["is_cpu_before"] = bool(eagle_utils._is_cpu)
+    eagle_utils._is_cpu = False
+
+    def prepare_probs(probs: torch.Tensor) -> torch.Tensor:
+        if probs.ndim != 2:
+            raise ValueError(f"probs must be 2D, got shape={tuple(probs.shape)}")
+        return probs.float().contiguous()
+
+    def checked(name, fn, ref=None):
+        def renorm(probs, values):
+            out = fn(probs, values)
+            if ref is not None:
+                diff = float((out - ref(probs, values)).abs().max())
+                kernel_calls["renorm_max_diff"] = max(kernel_calls.get("renorm_max_diff", 0.0), diff)
+            kernel_calls["renorm"].append(name)
+            return out
+        return renorm
+
+    kernel_calls["renorm"] = []
+    if renorm == "triton":
+        renorm_triton._prepare_probs = prepare_probs
+        eagle_utils.top_k_renorm_prob = checked(
+            "top_k:triton", renorm_triton.top_k_renorm_probs_triton, top_k_renorm_probs)
+        eagle_utils.top_p_renorm_prob = checked(
+            "top_p:triton", renorm_triton.top_p_renorm_probs_triton, top_p_renorm_probs)
+    elif renorm == "torch":
+        eagle_utils.top_k_renorm_prob = checked("top_k:torch", top_k_renorm_probs)
+        eagle_utils.top_p_renorm_prob = checked("top_p:torch", top_p_renorm_probs)
+    else:
+        raise ValueError(renorm)
+
+    def tree_sampling(**kw):
+        kernel_calls["tree_sampling"] += 1
+        kernel_calls["sampling_args"] = {
+            "threshold_single": kw["threshold_single"], "threshold_acc": kw["threshold_acc"],
+            "deterministic": kw["deterministic"], "target_probs": list(kw["target_probs"].shape),
+            "draft_probs_zero": bool((kw["draft_probs"] == 0).all()),
+        }
+        if mutation == "first_child":
+            kw["uniform_samples"] = torch.zeros_like(kw["uniform_samples"])
+        elif mutation is not None:
+            raise ValueError(mutation)
+        tree_speculative_sampling_reference(**kw)
+
+    eagle_utils.tree_speculative_sampling_target_only = tree_sampling
+
+
 def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
-             host_mirror: bool, return_logprob: bool = False, no_kv_move: bool = False) -> dict:
+             host_mirror: bool, return_logprob: bool = False, no_kv_move: bool = False,
+             sampling=None, bonus=None, mutation: str | None = None, renorm: str = "torch") -> dict:
     """Build pools, batch and worker, run one ``ddtree_decode``; return what the
-    test checks (plain lists) and the reference's expectations."""
+    test checks (plain lists) and the reference's expectations.
+
+    ``sampling`` (test_worker_sampled_cpu): per request, ``SamplingParams``
+    keywords (default greedy). A request with ``temperature > 0`` sees the
+    :func:`spread_logits` toy target, the others the greedy one; with any such
+    request the sampling branch is patched in (:func:`_patch_sampling`,
+    ``mutation`` / ``renorm`` passed on) and ``expect`` describes the walk the committed
+    tokens take through the reference tree (:func:`walk_tokens`; the greedy
+    reference walk stays in ``expect["greedy_out"]``). ``bonus``: per-request
+    root tokens (default: a formula of the request index)."""
     _setup_runtime(budget, cap, block, model)
     _patch_kernels(no_kv_move)
+    bs = len(prefixes)
+    sampling = [dict(s) for s in sampling] if sampling is not None else [{} for _ in range(bs)]
+    spread = [float(s.get("temperature", 0.0)) > 0 for s in sampling]
+    kernel_calls = {"greedy_verify": 0, "tree_sampling": 0}
+    if any(spread):
+        _patch_sampling(mutation, renorm, kernel_calls)
+    from sglang.srt.speculative import eagle_utils
+
+    greedy_verify = eagle_utils.verify_tree_greedy_func
+
+    def counted_greedy_verify(**kw):
+        kernel_calls["greedy_verify"] += 1
+        return greedy_verify(**kw)
+
+    eagle_utils.verify_tree_greedy_func = counted_greedy_verify
 
     from sglang.srt.layers.dp_attention import get_dp_tp_group
     from sglang.srt.layers.logits_processor import LogitsProcessorOutput
@@ -301,19 +453,25 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
     cls = get_ddtree_worker_cls()
     cfg = DDTreeConfig(budget, cap, block)
     W, D = cfg.verify_width, cfg.max_depth
-    bs = len(prefixes)
     dev = "cpu"
 
     # -- scenario and its reference (before, and independent of, the worker) --
-    bonus = [(11 + 17 * b) % (V - 1) for b in range(bs)]
-    trees, plans, expect = [], [], {"out": [], "ids": [], "paths": []}
+    if bonus is None:
+        bonus = [(11 + 17 * b) % (V - 1) for b in range(bs)]
+    bonus = [int(t) for t in bonus]
+    trees, plans, tops, expect = [], [], [], {"out": [], "ids": [], "paths": []}
     min_gap = math.inf
+    memo = {}
     for b in range(bs):
-        top = draft_topk(bonus[b], prefixes[b], block, cap)
-        nodes, gap = reference_tree(top, budget, D)
+        key = (bonus[b], prefixes[b])
+        if key not in memo:  # identical requests: one reference tree
+            top = draft_topk(bonus[b], prefixes[b], block, cap)
+            memo[key] = (top,) + reference_tree(top, budget, D)
+        top, nodes, gap = memo[key]
         min_gap = min(min_gap, gap)
         plan = make_plan(top, ranks[b])
         out, ids, paths = expected_step(bonus[b], plan, nodes, D)
+        tops.append(top)
         trees.append(nodes)
         plans.append(plan)
         expect["out"].append(out)
@@ -321,15 +479,17 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
         expect["paths"].append([list(p) for p in paths])
 
     # -- real pools -------------------------------------------------------------
+    reserve = ddtree_decode_reserve(block, budget)
+    pool_slots = max(POOL_SLOTS, sum(prefixes) + 9 + (bs + 1) * reserve + 64)
     req_pool = ReqToTokenPool(size=bs + 2, max_context_len=CONTEXT, device=dev,
                               enable_memory_saver=False)
-    kv_pool = MHATokenToKVPool(POOL_SLOTS, page_size=1, dtype=torch.float32, head_num=1,
+    kv_pool = MHATokenToKVPool(pool_slots, page_size=1, dtype=torch.float32, head_num=1,
                                head_dim=HEAD_DIM, layer_num=TARGET_LAYERS, device=dev,
                                enable_memory_saver=False, enable_alt_stream=False)
-    draft_pool = MHATokenToKVPool(POOL_SLOTS, page_size=1, dtype=torch.float32, head_num=1,
+    draft_pool = MHATokenToKVPool(pool_slots, page_size=1, dtype=torch.float32, head_num=1,
                                   head_dim=HEAD_DIM, layer_num=1, device=dev,
                                   enable_memory_saver=False, enable_alt_stream=False)
-    allocator = TokenToKVPoolAllocator(POOL_SLOTS, dtype=torch.float32, device=dev,
+    allocator = TokenToKVPoolAllocator(pool_slots, dtype=torch.float32, device=dev,
                                        kvcache=kv_pool, need_sort=False)
     target_translator = KVIndexTranslator(
         req_to_token=req_pool.req_to_token, token_to_kv_pool_allocator=allocator,
@@ -339,12 +499,13 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
         token_to_kv_pool=draft_pool, page_size=1, device=dev, is_draft_worker=True)
 
     # Requests: the batch's bs plus one bystander that must stay untouched.
-    reserve = ddtree_decode_reserve(block, budget)
     lens = list(prefixes) + [9]
     reqs = []
     for i, n in enumerate(lens):
+        params = {"temperature": 0.0, "max_new_tokens": 64}
+        params.update(sampling[i] if i < bs else {})
         r = Req(f"r{i}", "", array("i", [(3 * i + j) % (V - 1) for j in range(n)]),
-                SamplingParams(temperature=0.0, max_new_tokens=64), vocab_size=V)
+                SamplingParams(**params), vocab_size=V)
         reqs.append(r)
     rows = req_pool.alloc(list(reversed(reqs)))  # rows in an order unrelated to the batch
     rows = list(reversed(rows))
@@ -389,6 +550,7 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
     weight = lm_head_weight().float()
     embed = embed_table().float()
     calls = {"target": [], "draft": [], "attn_init": [], "append": [], "publish": []}
+    node_logits = [[] for _ in range(bs)]  # per request: [path, logits] of its depth <= 1 nodes
     model_config = SimpleNamespace(context_len=CONTEXT, vocab_size=V, model_is_mrope=False,
                                    hidden_size=H, is_matryoshka=False,
                                    requires_mm_token_modalities=False)
@@ -452,7 +614,12 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
                     assert path == trees[b][i - 1], (b, i, path, trees[b][i - 1])
                 assert int(fb.positions[b * W + i]) == p + depth[i], "positions = prefix + depth"
                 code = path_code(bonus[b], path)
-                logits[b * W + i, target_next(plans[b], bonus[b], path)] = 3.0
+                if spread[b]:
+                    logits[b * W + i] = torch.tensor(spread_logits(tops[b], bonus[b], path, D))
+                else:
+                    logits[b * W + i, target_next(plans[b], bonus[b], path)] = 3.0
+                if depth[i] <= 1:
+                    node_logits[b].append([list(path), logits[b * W + i].tolist()])
                 hidden[b * W + i] = torch.tensor(target_hidden(code, depth[i], b))
                 for layer in range(TARGET_LAYERS):
                     k, v = kv_marker(code, layer, depth[i])
@@ -534,6 +701,19 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
     seq_lens_in = batch.seq_lens
     result = worker.forward_batch_generation(batch, on_publish=lambda n: calls["publish"].append(n.tolist()))
 
+    walk_valid = None
+    if any(spread):  # the expected walk is the one the committed tokens describe
+        expect["greedy_out"] = expect["out"]
+        expect["out"], expect["ids"], expect["paths"], walk_valid = [], [], [], []
+        toks, lens_out = result.next_token_ids.view(bs, block).tolist(), result.accept_lens.tolist()
+        for b in range(bs):
+            o = toks[b][: max(1, min(int(lens_out[b]), block))]
+            ids, paths, ok = walk_tokens(bonus[b], o, trees[b], D)
+            expect["out"].append(o)
+            expect["ids"].append(ids)
+            expect["paths"].append([list(p) for p in paths])
+            walk_valid.append(ok)
+
     # -- what the test checks -------------------------------------------------
     # The pool the step must leave, from the reference alone: the target's
     # markers at every window slot (node i at slot i), then the k-th accepted
@@ -571,6 +751,9 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
             "batch_mode": batch.forward_mode.name,
             "next_token_logprobs": None if lp is None else lp.tolist(),
             "record_stream": [type(x).__name__ for x in seq_lens_in.streams],
+            "node_logits": node_logits,
+            "kernels": kernel_calls,
+            "is_all_greedy": bool(batch.sampling_info.is_all_greedy),
         },
         "calls": {
             "target": len(calls["target"]), "target_kwargs": [sorted(k) for k in calls["target"]],
@@ -583,6 +766,7 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
             "depths": [[len(p) for p in expect["paths"][b]] for b in range(bs)],
             "bonus": bonus, "min_score_gap": min_gap, "plans": plans,
             "trees": [[list(p) for p in t] for t in trees],
+            "greedy_out": expect.get("greedy_out", expect["out"]), "walk_valid": walk_valid,
         },
         "slots": {
             "rows": [req_to_token[row, :n].tolist() for row, n in zip(rows, slots_needed)],

@@ -174,3 +174,16 @@ def test_other_algorithms_are_left_exactly_as_given(da):
     da.normalize_ddtree_server_args(a)
     assert (a.speculative_algorithm, a.attention_backend, a.page_size, a.speculative_ddtree_budget) == (
         "EAGLE", "fa3", 64, None)
+
+
+def test_verify_tensors_are_contiguous_as_sglangs_kernels_require(dv):
+    """verify_tree_greedy / tree_speculative_sampling_target_only refuse strided inputs."""
+    g = torch.Generator().manual_seed(3)
+    plan = dv.ddtree_prepare_verify(torch.randn(3, 4, 40, generator=g), torch.tensor([1, 2, 3]),
+                                    torch.tensor([5, 2, 9]), 8, 3, seq_lens_sum=16)
+    for name, t in [("retrive_index", plan.retrieve.retrive_index),
+                    ("retrive_next_token", plan.retrieve.retrive_next_token),
+                    ("retrive_next_sibling", plan.retrieve.retrive_next_sibling),
+                    ("draft_token", plan.draft_token), ("positions", plan.positions),
+                    ("custom_mask", plan.custom_mask)]:
+        assert t.is_contiguous(), name

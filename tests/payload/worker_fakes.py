@@ -328,9 +328,11 @@ def _patch_sampling(mutation: str | None, renorm: str, kernel_calls: dict):
     * ``tree_speculative_sampling_target_only`` (CUDA JIT kernel, ``None``
       here): the payload's PyTorch reference
       ``ddtree_utils.tree_speculative_sampling_reference`` (same keyword
-      arguments, same in-place outputs). ``mutation="first_child"``: its coins
-      are zeroed, i.e. the first child with non-zero probability is always
-      accepted (a control the distribution test must reject)."""
+      arguments, same in-place outputs). Controls the distribution test must
+      reject: ``mutation="first_child"`` zeroes its coins (the first child with
+      non-zero probability is always accepted); ``"reused_coin"`` gives every
+      node of a request the root's coin (first token still exact, the second
+      biased)."""
     from sglang.kernels.ops.sampling import renorm_triton
     from sglang.srt.speculative import eagle_utils
     from sglang.srt.speculative.ddtree_utils import (
@@ -370,15 +372,38 @@ def _patch_sampling(mutation: str | None, renorm: str, kernel_calls: dict):
     else:
         raise ValueError(renorm)
 
+    def kernel_contract(kw) -> list:
+        """What the CUDA kernel's host checks (``TensorMatcher`` in
+        jit/csrc/speculative/sampling.cuh) would refuse: shape, dtype, contiguity."""
+        bs, n = kw["candidates"].shape[:2]
+        s, v = kw["accept_index"].shape[-1], kw["target_probs"].shape[-1]
+        want = {name: ((bs, n), torch.int64) for name in
+                ("candidates", "retrive_index", "retrive_next_token", "retrive_next_sibling")}
+        want.update(accept_index=((bs, s), torch.int32), accept_token_num=((bs,), torch.int32),
+                    predicts=((bs * n,), torch.int32), uniform_samples=((bs, n), torch.float32),
+                    uniform_samples_for_final_sampling=((bs,), torch.float32),
+                    target_probs=((bs, n, v), torch.float32), draft_probs=((bs, n, v), torch.float32))
+        bad = [f"{name}: {tuple(kw[name].shape)} {kw[name].dtype} contiguous={kw[name].is_contiguous()}"
+               for name, (shape, dtype) in want.items()
+               if tuple(kw[name].shape) != shape or kw[name].dtype != dtype or not kw[name].is_contiguous()]
+        if not 0 <= kw["threshold_single"] <= 1:
+            bad.append(f"threshold_single={kw['threshold_single']}")
+        return bad
+
     def tree_sampling(**kw):
         kernel_calls["tree_sampling"] += 1
+        kernel_calls["contract_violations"] = kernel_contract(kw)
         kernel_calls["sampling_args"] = {
             "threshold_single": kw["threshold_single"], "threshold_acc": kw["threshold_acc"],
             "deterministic": kw["deterministic"], "target_probs": list(kw["target_probs"].shape),
+            "accept_index": list(kw["accept_index"].shape),
             "draft_probs_zero": bool((kw["draft_probs"] == 0).all()),
         }
+        coins = kw["uniform_samples"]
         if mutation == "first_child":
-            kw["uniform_samples"] = torch.zeros_like(kw["uniform_samples"])
+            kw["uniform_samples"] = torch.zeros_like(coins)
+        elif mutation == "reused_coin":
+            kw["uniform_samples"] = coins[:, :1].expand_as(coins).contiguous()
         elif mutation is not None:
             raise ValueError(mutation)
         tree_speculative_sampling_reference(**kw)

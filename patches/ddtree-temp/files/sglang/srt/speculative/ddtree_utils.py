@@ -417,7 +417,9 @@ def compile_ddtree_retrieve(
     first_child.scatter_(1, g_sorted[:, :1], order[:, :1])
     first_child.scatter_(1, torch.where(same, 2 * n, g_sorted[:, 1:]), order[:, 1:])
     retrive_index = torch.arange(bs * n, device=device).view(bs, n)
-    return RetrieveEncoding(retrive_index, first_child[:, :n], next_sibling)
+    # SGLang's kernels (verify_tree_greedy, tree_speculative_sampling_target_only)
+    # refuse non-contiguous inputs: the first n columns are copied out of the buffer.
+    return RetrieveEncoding(retrive_index, first_child[:, :n].contiguous(), next_sibling)
 
 
 def decode_retrieve_parents(

@@ -459,7 +459,7 @@ def heap_baseline(top, budget, device, reps):
     def upload():
         n = budget + 1
         rows = []
-        for tok, par, first, nxt in state["trees"]:
+        for tok, par, first, nxt, _scores in state["trees"]:
             pad = n - len(tok)
             rows.append([tok + [0] * pad, par + [-1] * pad, first, nxt])
         torch.tensor(rows, dtype=torch.long).to(device)

@@ -250,22 +250,12 @@ def vocab_parallel_topk_logprobs(
 def ddtree_commit_tokens(
     predict: torch.Tensor, accept_index: torch.Tensor, accept_lens: torch.Tensor, width: int
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``eagle_sample``'s outputs -> DFlash's committed-block layout: tokens in
-    path order ``[bs, width]`` (0 past the path), commit lengths (int32,
-    accepted drafts + bonus) and the bonus token (the next step's root).
+    """``eagle_sample``'s outputs (``accept_lens`` = accepted drafts + bonus) ->
+    DFlash's committed-block layout: tokens in path order ``[bs, width]`` (0 past
+    the path), commit lengths (int32) and the bonus token (the next root).
     ``accept_index`` holds global node rows (``b*W + i``), -1 padded."""
-    bs, s = accept_index.shape
-    idx = accept_index.long()
-    lens = accept_lens.long()
-    k = torch.arange(s, device=idx.device).unsqueeze(0)
-    live = (k < lens.unsqueeze(1)) & (idx >= 0)
-    toks = torch.where(live, predict.long()[idx.clamp(min=0)], torch.zeros_like(idx))
-    out = torch.zeros(bs, width, dtype=torch.long, device=idx.device)
-    n = min(s, width)
-    out[:, :n] = toks[:, :n]
-    row = torch.arange(bs, device=idx.device)
-    bonus = out[row, (lens - 1).clamp(min=0, max=width - 1)]
-    return out, lens.to(torch.int32), bonus
+    commit = ddtree_commit(predict, accept_index, accept_lens.long() - 1, width)
+    return commit.out_tokens, commit.commit_lens, commit.bonus
 
 
 def front_rows(x: torch.Tensor, accept_index: torch.Tensor, width: int) -> torch.Tensor:

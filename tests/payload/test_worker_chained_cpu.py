@@ -295,34 +295,12 @@ def run_chain(*, budget, cap, block, prefixes, steps, mutation=None):
         calls["append"].append({"positions": kw["positions"].tolist(),
                                 "commit_lens": kw["commit_lens"].tolist()})
 
-    target_runner = SimpleNamespace(
-        model=SimpleNamespace(lm_head=SimpleNamespace(weight=eye)),
-        model_config=model_config, device=dev, is_draft_worker=False,
-        req_to_token_pool=req_pool, token_to_kv_pool_allocator=allocator,
-        token_to_kv_pool=kv_pool, kv_index_translator=target_translator,
-        ngram_embedding_manager=SimpleNamespace(enabled=False), lora_manager=None,
-        decode_cuda_graph_runner=None, attn_backend=AttnBackend(), watermark_state=None,
-        spec_algorithm=SpeculativeAlgorithm.DFLASH,
-    )
-    target_worker = SimpleNamespace(model_runner=target_runner, device=dev,
-                                    forward_batch_generation=target_forward)
-    draft_runner = SimpleNamespace(kv_index_translator=draft_translator, forward=draft_forward,
-                                   model_config=model_config, token_to_kv_pool=draft_pool)
-    worker = object.__new__(cls)
-    worker.__dict__.update(
-        server_args=None, gpu_id=0, _target_worker=target_worker, model_runner=target_runner,
-        device=dev, page_size=1, ddtree_config=cfg, block_size=block,
-        speculative_num_draft_tokens=block, _mask_token_id=MASK,
-        _block_pos_offsets=build_block_pos_offsets(length=block, device=dev),
-        _full_embed_gpu=wf.embed_table().float(), _noise_embed_scale=1.0,
-        _draft_block_spec_info=make_draft_block_spec_info(draft_token_num=block, device=dev),
-        draft_model_runner=draft_runner,
-        draft_parallel_layout=resolve_draft_parallel_layout(
-            model_draft_parallel_spec(None, spec_algorithm=SpeculativeAlgorithm.DFLASH),
-            collapse_cp=True),
-        _target_logits_processor=None, _tp_sync=SpecTpSync(get_dp_tp_group()),
-        _append_target_hidden_to_draft_kv_by_loc=append_draft_kv,
-        selector=None, lilicorr=None, _is_domino=False, _need_mamba_verify_commit=False,
+    worker = wf.make_worker(
+        cls, cfg=cfg, block=block, mask_id=MASK, dev=dev, lm_weight=eye, embed=wf.embed_table().float(),
+        model_config=model_config, req_pool=req_pool, allocator=allocator, kv_pool=kv_pool,
+        target_translator=target_translator, draft_translator=draft_translator, draft_pool=draft_pool,
+        attn_backend=AttnBackend(), target_forward=target_forward, draft_forward=draft_forward,
+        append_draft_kv=append_draft_kv,
     )
     state = {}  # the running step's root (batch.spec_info is the verify input by the commit)
     if mutation == "stale_root":  # next draft input carries this step's root, not the bonus

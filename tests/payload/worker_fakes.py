@@ -411,6 +411,57 @@ def _patch_sampling(mutation: str | None, renorm: str, kernel_calls: dict):
     eagle_utils.tree_speculative_sampling_target_only = tree_sampling
 
 
+def make_worker(cls, *, cfg, block, mask_id, dev, lm_weight, embed, model_config, req_pool,
+                allocator, kv_pool, target_translator, draft_translator, draft_pool, attn_backend,
+                target_forward, draft_forward, append_draft_kv):
+    """A ``DDTreeWorkerV2`` without ``__init__`` (which loads models): the attributes its decode
+    step reads, the real pools and translators, and the given fake forwards."""
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.dp_attention import get_dp_tp_group
+    from sglang.srt.speculative.draft_parallel import (
+        model_draft_parallel_spec,
+        resolve_draft_parallel_layout,
+    )
+    from sglang.srt.speculative.draft_worker_common import (
+        build_block_pos_offsets,
+        make_draft_block_spec_info,
+    )
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang.srt.speculative.spec_tp_sync import SpecTpSync
+
+    target_runner = SimpleNamespace(
+        model=SimpleNamespace(lm_head=SimpleNamespace(weight=lm_weight)),
+        model_config=model_config, device=dev, is_draft_worker=False,
+        req_to_token_pool=req_pool, token_to_kv_pool_allocator=allocator,
+        token_to_kv_pool=kv_pool, kv_index_translator=target_translator,
+        ngram_embedding_manager=SimpleNamespace(enabled=False), lora_manager=None,
+        decode_cuda_graph_runner=None, attn_backend=attn_backend, watermark_state=None,
+        spec_algorithm=SpeculativeAlgorithm.DFLASH,
+    )
+    target_worker = SimpleNamespace(model_runner=target_runner, device=dev,
+                                    forward_batch_generation=target_forward)
+    draft_runner = SimpleNamespace(kv_index_translator=draft_translator, forward=draft_forward,
+                                   model_config=model_config, token_to_kv_pool=draft_pool)
+    worker = object.__new__(cls)
+    worker.__dict__.update(
+        server_args=None, gpu_id=0, _target_worker=target_worker, model_runner=target_runner,
+        device=dev, page_size=1, ddtree_config=cfg, block_size=block,
+        speculative_num_draft_tokens=block, _mask_token_id=mask_id,
+        _block_pos_offsets=build_block_pos_offsets(length=block, device=dev),
+        _full_embed_gpu=embed, _noise_embed_scale=1.0,
+        _draft_block_spec_info=make_draft_block_spec_info(draft_token_num=block, device=dev),
+        draft_model_runner=draft_runner,
+        draft_parallel_layout=resolve_draft_parallel_layout(
+            model_draft_parallel_spec(None, spec_algorithm=SpeculativeAlgorithm.DFLASH),
+            collapse_cp=True),
+        _target_logits_processor=None, _tp_sync=SpecTpSync(get_dp_tp_group()),
+        _append_target_hidden_to_draft_kv_by_loc=append_draft_kv,
+        selector=None, lilicorr=None, _is_domino=False, _need_mamba_verify_commit=False,
+    )
+    return worker
+
+
 def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
              host_mirror: bool, return_logprob: bool = False, no_kv_move: bool = False,
              sampling=None, bonus=None, mutation: str | None = None, renorm: str = "torch") -> dict:
@@ -443,7 +494,6 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
 
     eagle_utils.verify_tree_greedy_func = counted_greedy_verify
 
-    from sglang.srt.layers.dp_attention import get_dp_tp_group
     from sglang.srt.layers.logits_processor import LogitsProcessorOutput
     from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
     from sglang.srt.managers.utils import GenerationBatchResult
@@ -463,17 +513,10 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
     from sglang.srt.sampling.sampling_params import SamplingParams
     from sglang.srt.speculative.ddtree_kv import ddtree_decode_reserve
     from sglang.srt.speculative.ddtree_worker import DDTreeConfig, get_ddtree_worker_cls
-    from sglang.srt.speculative.draft_parallel import (
-        model_draft_parallel_spec,
-        resolve_draft_parallel_layout,
-    )
     from sglang.srt.speculative.draft_worker_common import (
-        build_block_pos_offsets,
-        make_draft_block_spec_info,
         make_draft_input_v2,
     )
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-    from sglang.srt.speculative.spec_tp_sync import SpecTpSync
 
     cls = get_ddtree_worker_cls()
     cfg = DDTreeConfig(budget, cap, block)
@@ -692,35 +735,12 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
     def append_draft_kv(**kw):
         calls["append"].append({k: (v.tolist() if torch.is_tensor(v) else v) for k, v in kw.items()})
 
-    target_runner = SimpleNamespace(
-        model=SimpleNamespace(lm_head=SimpleNamespace(weight=weight)),
-        model_config=model_config, device=dev, is_draft_worker=False,
-        req_to_token_pool=req_pool, token_to_kv_pool_allocator=allocator,
-        token_to_kv_pool=kv_pool, kv_index_translator=target_translator,
-        ngram_embedding_manager=SimpleNamespace(enabled=False), lora_manager=None,
-        decode_cuda_graph_runner=None, attn_backend=AttnBackend(), watermark_state=None,
-        spec_algorithm=SpeculativeAlgorithm.DFLASH,
-    )
-    target_worker = SimpleNamespace(model_runner=target_runner, device=dev,
-                                    forward_batch_generation=target_forward)
-    draft_runner = SimpleNamespace(kv_index_translator=draft_translator, forward=draft_forward,
-                                   model_config=model_config, token_to_kv_pool=draft_pool)
-
-    worker = object.__new__(cls)
-    worker.__dict__.update(
-        server_args=None, gpu_id=0, _target_worker=target_worker, model_runner=target_runner,
-        device=dev, page_size=1, ddtree_config=cfg, block_size=block,
-        speculative_num_draft_tokens=block, _mask_token_id=MASK_ID,
-        _block_pos_offsets=build_block_pos_offsets(length=block, device=dev),
-        _full_embed_gpu=embed, _noise_embed_scale=1.0,
-        _draft_block_spec_info=make_draft_block_spec_info(draft_token_num=block, device=dev),
-        draft_model_runner=draft_runner,
-        draft_parallel_layout=resolve_draft_parallel_layout(
-            model_draft_parallel_spec(None, spec_algorithm=SpeculativeAlgorithm.DFLASH),
-            collapse_cp=True),
-        _target_logits_processor=None, _tp_sync=SpecTpSync(get_dp_tp_group()),
-        _append_target_hidden_to_draft_kv_by_loc=append_draft_kv,
-        selector=None, lilicorr=None, _is_domino=False, _need_mamba_verify_commit=False,
+    worker = make_worker(
+        cls, cfg=cfg, block=block, mask_id=MASK_ID, dev=dev, lm_weight=weight, embed=embed,
+        model_config=model_config, req_pool=req_pool, allocator=allocator, kv_pool=kv_pool,
+        target_translator=target_translator, draft_translator=draft_translator, draft_pool=draft_pool,
+        attn_backend=AttnBackend(), target_forward=target_forward, draft_forward=draft_forward,
+        append_draft_kv=append_draft_kv,
     )
 
     seq_lens_in = batch.seq_lens

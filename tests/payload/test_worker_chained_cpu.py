@@ -107,14 +107,11 @@ def draft_rank(tokens, d):
 
 def run_chain(*, budget, cap, block, prefixes, steps, mutation=None):
     from sglang.kernels.ops.speculative import cache_locs  # noqa: F401
-    from sglang.srt.layers.dp_attention import get_dp_tp_group
     from sglang.srt.layers.logits_processor import LogitsProcessorOutput
     from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
     from sglang.srt.managers.utils import GenerationBatchResult
-    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
-    from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
     from sglang.srt.mem_cache.unified_cache.components import ComponentType
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
@@ -124,17 +121,8 @@ def run_chain(*, budget, cap, block, prefixes, steps, mutation=None):
     from sglang.srt.speculative import ddtree_worker, eagle_utils, spec_utils
     from sglang.srt.speculative.ddtree_kv import ddtree_decode_reserve
     from sglang.srt.speculative.ddtree_worker import DDTreeConfig, get_ddtree_worker_cls
-    from sglang.srt.speculative.draft_parallel import (
-        model_draft_parallel_spec,
-        resolve_draft_parallel_layout,
-    )
-    from sglang.srt.speculative.draft_worker_common import (
-        build_block_pos_offsets,
-        make_draft_block_spec_info,
-        make_draft_input_v2,
-    )
+    from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-    from sglang.srt.speculative.spec_tp_sync import SpecTpSync
 
     V, MASK, L, HD = wf.V, wf.MASK_ID, wf.TARGET_LAYERS, wf.HEAD_DIM
     wf._setup_runtime(budget, cap, block, MODEL)
@@ -164,26 +152,14 @@ def run_chain(*, budget, cap, block, prefixes, steps, mutation=None):
 
     # -- pools, cache, requests after their prefill ------------------------------
     pool_slots = 512
-    req_pool = ReqToTokenPool(size=bs + 2, max_context_len=wf.CONTEXT, device=dev,
-                              enable_memory_saver=False)
-    kv_pool = MHATokenToKVPool(pool_slots, page_size=1, dtype=torch.float32, head_num=1,
-                               head_dim=HD, layer_num=L, device=dev,
-                               enable_memory_saver=False, enable_alt_stream=False)
-    draft_pool = MHATokenToKVPool(pool_slots, page_size=1, dtype=torch.float32, head_num=1,
-                                  head_dim=HD, layer_num=1, device=dev,
-                                  enable_memory_saver=False, enable_alt_stream=False)
-    allocator = TokenToKVPoolAllocator(pool_slots, dtype=torch.float32, device=dev,
-                                       kvcache=kv_pool, need_sort=False)
+    pools = wf.make_pools(rows=bs + 2, slots=pool_slots, context=wf.CONTEXT, head_dim=HD,
+                          target_layers=L, dev=dev)
+    req_pool, kv_pool, draft_pool, allocator = pools.req_pool, pools.kv_pool, pools.draft_pool, pools.allocator
     params = CacheInitParams(disable=True, req_to_token_pool=req_pool,
                              token_to_kv_pool_allocator=allocator, page_size=1)
     params.tree_components = (ComponentType.FULL,)
     tree_cache = UnifiedRadixCache(params)
-    target_translator = KVIndexTranslator(
-        req_to_token=req_pool.req_to_token, token_to_kv_pool_allocator=allocator,
-        token_to_kv_pool=kv_pool, page_size=1, device=dev)
-    draft_translator = KVIndexTranslator(
-        req_to_token=req_pool.req_to_token, token_to_kv_pool_allocator=allocator,
-        token_to_kv_pool=draft_pool, page_size=1, device=dev, is_draft_worker=True)
+    target_translator, draft_translator = pools.target_translator, pools.draft_translator
 
     prompts = [[(5 * b + 3 * j + 1) % (V - 1) for j in range(n)] for b, n in enumerate(prefixes)]
     roots = [toy_next(p, len(p) - 1) for p in prompts]  # the prefill's sampled token

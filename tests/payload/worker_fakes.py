@@ -411,6 +411,35 @@ def _patch_sampling(mutation: str | None, renorm: str, kernel_calls: dict):
     eagle_utils.tree_speculative_sampling_target_only = tree_sampling
 
 
+def make_pools(*, rows, slots, context, head_dim, target_layers, dev):
+    """The real 0.5.23 pools a decode step touches (page size 1, float32): req_to_token, the
+    target and draft KV pools, the token allocator and both KV index translators."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+
+    req_pool = ReqToTokenPool(size=rows, max_context_len=context, device=dev, enable_memory_saver=False)
+    kv_pool = MHATokenToKVPool(slots, page_size=1, dtype=torch.float32, head_num=1,
+                               head_dim=head_dim, layer_num=target_layers, device=dev,
+                               enable_memory_saver=False, enable_alt_stream=False)
+    draft_pool = MHATokenToKVPool(slots, page_size=1, dtype=torch.float32, head_num=1,
+                                  head_dim=head_dim, layer_num=1, device=dev,
+                                  enable_memory_saver=False, enable_alt_stream=False)
+    allocator = TokenToKVPoolAllocator(slots, dtype=torch.float32, device=dev,
+                                       kvcache=kv_pool, need_sort=False)
+    return SimpleNamespace(
+        req_pool=req_pool, kv_pool=kv_pool, draft_pool=draft_pool, allocator=allocator,
+        target_translator=KVIndexTranslator(
+            req_to_token=req_pool.req_to_token, token_to_kv_pool_allocator=allocator,
+            token_to_kv_pool=kv_pool, page_size=1, device=dev),
+        draft_translator=KVIndexTranslator(
+            req_to_token=req_pool.req_to_token, token_to_kv_pool_allocator=allocator,
+            token_to_kv_pool=draft_pool, page_size=1, device=dev, is_draft_worker=True),
+    )
+
+
 def make_worker(cls, *, cfg, block, mask_id, dev, lm_weight, embed, model_config, req_pool,
                 allocator, kv_pool, target_translator, draft_translator, draft_pool, attn_backend,
                 target_forward, draft_forward, append_draft_kv):
@@ -497,12 +526,8 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
     from sglang.srt.layers.logits_processor import LogitsProcessorOutput
     from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
     from sglang.srt.managers.utils import GenerationBatchResult
-    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-    from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
     from sglang.srt.mem_cache.memory_pool import (
         KVWriteLoc,
-        MHATokenToKVPool,
-        ReqToTokenPool,
     )
     from sglang.srt.model_executor.forward_batch_info import (
         CaptureHiddenMode,
@@ -549,22 +574,10 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
     # -- real pools -------------------------------------------------------------
     reserve = ddtree_decode_reserve(block, budget)
     pool_slots = max(POOL_SLOTS, sum(prefixes) + 9 + (bs + 1) * reserve + 64)
-    req_pool = ReqToTokenPool(size=bs + 2, max_context_len=CONTEXT, device=dev,
-                              enable_memory_saver=False)
-    kv_pool = MHATokenToKVPool(pool_slots, page_size=1, dtype=torch.float32, head_num=1,
-                               head_dim=HEAD_DIM, layer_num=TARGET_LAYERS, device=dev,
-                               enable_memory_saver=False, enable_alt_stream=False)
-    draft_pool = MHATokenToKVPool(pool_slots, page_size=1, dtype=torch.float32, head_num=1,
-                                  head_dim=HEAD_DIM, layer_num=1, device=dev,
-                                  enable_memory_saver=False, enable_alt_stream=False)
-    allocator = TokenToKVPoolAllocator(pool_slots, dtype=torch.float32, device=dev,
-                                       kvcache=kv_pool, need_sort=False)
-    target_translator = KVIndexTranslator(
-        req_to_token=req_pool.req_to_token, token_to_kv_pool_allocator=allocator,
-        token_to_kv_pool=kv_pool, page_size=1, device=dev)
-    draft_translator = KVIndexTranslator(
-        req_to_token=req_pool.req_to_token, token_to_kv_pool_allocator=allocator,
-        token_to_kv_pool=draft_pool, page_size=1, device=dev, is_draft_worker=True)
+    pools = make_pools(rows=bs + 2, slots=pool_slots, context=CONTEXT, head_dim=HEAD_DIM,
+                       target_layers=TARGET_LAYERS, dev=dev)
+    req_pool, kv_pool, draft_pool, allocator = pools.req_pool, pools.kv_pool, pools.draft_pool, pools.allocator
+    target_translator, draft_translator = pools.target_translator, pools.draft_translator
 
     # Requests: the batch's bs plus one bystander that must stay untouched.
     lens = list(prefixes) + [9]

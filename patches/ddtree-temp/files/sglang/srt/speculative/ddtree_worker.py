@@ -70,11 +70,6 @@ class DDTreeConfig:
         """Columns of ``accept_index``: the root plus the deepest path."""
         return self.max_depth + 1
 
-    @property
-    def draft_topk(self) -> int:
-        """Tokens per depth that can enter the tree."""
-        return self.topk_cap
-
     @classmethod
     def from_server_args(cls, server_args, block_size: int) -> "DDTreeConfig":
         budget = getattr(server_args, "speculative_ddtree_budget", None)
@@ -419,7 +414,7 @@ def _build_worker_cls() -> type:
 
             lp, ids = vocab_parallel_topk_logprobs(
                 local,
-                self.ddtree_config.draft_topk,
+                self.ddtree_config.topk_cap,
                 vocab_start=vocab_start,
                 gather=gather if tp_size > 1 else None,
             )

@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ddtree_ops.sandbox import Sandbox  # noqa: E402
+from ddtree_ops.testing.sandbox import Sandbox  # noqa: E402
 
 
 def cli(*args: str) -> tuple[float, dict]:
@@ -39,7 +39,7 @@ def cli(*args: str) -> tuple[float, dict]:
 def step_durations(doc: dict) -> dict[str, float]:
     steps = doc["hosts"][0]["steps"]
     out = {}
-    for a, b in zip(steps, steps[1:]):
+    for a, b in zip(steps, steps[1:], strict=False):
         out[a["step"]] = out.get(a["step"], 0.0) + (b["t"] - a["t"])
     return out
 
@@ -79,8 +79,10 @@ def main() -> None:
     (out / "deploy.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [f"# deploy / rollback overhead, 1 sandbox host, zero load time ({args.runs} runs, {result['when']})", "",
              "| operation | median s | min s | max s |", "| --- | --- | --- | --- |",
-             f"| deploy (whole CLI run) | {result['deploy_s']['median']:.2f} | {min(deploys):.2f} | {max(deploys):.2f} |",
-             f"| rollback (whole CLI run) | {result['rollback_s']['median']:.2f} | {min(rollbacks):.2f} | {max(rollbacks):.2f} |",
+             f"| deploy (whole CLI run) | {result['deploy_s']['median']:.2f} | {min(deploys):.2f} "
+             f"| {max(deploys):.2f} |",
+             f"| rollback (whole CLI run) | {result['rollback_s']['median']:.2f} | {min(rollbacks):.2f} "
+             f"| {max(rollbacks):.2f} |",
              "", "| deploy step | median s |", "| --- | --- |"]
     lines += [f"| {n} | {v:.2f} |" for n, v in per_step.items()]
     (out / "deploy.md").write_text("\n".join(lines) + "\n")

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from ddtree_ops.sandbox import Sandbox  # noqa: E402
+from ddtree_ops.testing.sandbox import Sandbox  # noqa: E402
 
 PROBE = "sglang/srt/speculative/ddtree_probe.py"
 DFLASH_INFO = "sglang/srt/speculative/dflash_info.py"

@@ -89,12 +89,12 @@ def run(device: str, batches, budgets, reps, max_sample_gb):
             k = budget
             seq_lens = torch.full((bs,), 1000, device=dev)
 
-            def topk():
+            def topk(draft_logits=draft_logits, k=k):
                 return du.draft_topk_logprobs(draft_logits, k)
 
             top = topk()
 
-            def build():
+            def build(top=top, budget=budget, seq_lens=seq_lens):
                 tree = du.build_ddtree_tree(top, budget, budget)
                 enc = du.compile_ddtree_retrieve(tree.parents, tree.scores)
                 du.ddtree_positions(tree.depths, seq_lens)
@@ -105,7 +105,7 @@ def run(device: str, batches, budgets, reps, max_sample_gb):
             t_build = timeit(build, sync, reps)
             top_cpu = (top[0].cpu(), top[1].cpu())
 
-            def heap_all():
+            def heap_all(bs=bs, top_cpu=top_cpu, budget=budget):
                 for b in range(bs):
                     heap_build(top_cpu[0][b], top_cpu[1][b], budget)
 
@@ -120,7 +120,7 @@ def run(device: str, batches, budgets, reps, max_sample_gb):
                 temps = torch.full((bs,), 0.8, device=dev)
                 top_ps = torch.full((bs,), 0.95, device=dev)
 
-                def sample():
+                def sample(logits=logits, tree=tree, enc=enc, temps=temps, top_ps=top_ps):
                     du.ddtree_sample_tree_paths(logits, tree.tokens, enc, temps, None, top_ps,
                                                 max_accept=DEPTH, generator=g)
 

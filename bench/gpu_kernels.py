@@ -354,7 +354,7 @@ def capture_graph(fn, *, sync_debug: bool):
 
 def compare_outputs(got, want, names=OUT_NAMES) -> dict:
     res = {}
-    for name, a, b in zip(names, got, want):
+    for name, a, b in zip(names, got, want, strict=False):
         eq = bool(torch.equal(a, b))
         r = {"equal": eq, "shape": list(a.shape), "dtype": str(a.dtype).replace("torch.", "")}
         if not eq and a.is_floating_point() and a.shape == b.shape:
@@ -379,7 +379,7 @@ def step_graph_capture(device, bs, budget, cap, depth, vocab, seed):
         logits.copy_(torch.randn(bs, depth, vocab, device=device, generator=gen) * 3)
         seq_lens.copy_(torch.randint(1, 4096, (bs,), device=device, generator=gen))
         poisoned = []
-        for name, t in zip(OUT_NAMES, static):  # poison: the replay must rewrite every output
+        for name, t in zip(OUT_NAMES, static, strict=False):  # poison: the replay must rewrite every output
             try:
                 t.fill_(True if t.dtype == torch.bool else -7)
                 poisoned.append(name)
@@ -785,7 +785,8 @@ def test_vector_inputs(device, coin_gen):
     target_probs = torch.softmax(logits / 0.01, dim=-1)
     coins = torch.rand(bs, n, generator=coin_gen).clamp_(max=du.MAX_COIN)
     final = torch.rand(bs, generator=coin_gen).clamp_(max=du.MAX_COIN)
-    lt = lambda x: torch.tensor(x, dtype=torch.long)
+    def lt(x):
+        return torch.tensor(x, dtype=torch.long)
     return {
         "predicts": torch.full((bs * n,), -1, dtype=torch.int32),
         "accept_index": torch.full((bs, s), -1, dtype=torch.int32),

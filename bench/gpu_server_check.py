@@ -694,7 +694,7 @@ def compare_token_lists(ref: list, got: list, ref_gaps: list | None = None, tie_
         if a == b:
             equal += 1
             continue
-        j = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        j = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
         gap = None
         if ref_gaps is not None and r < len(ref_gaps) and ref_gaps[r] is not None and j < len(ref_gaps[r]):
             gap = ref_gaps[r][j]
@@ -996,7 +996,7 @@ def prefix_gaps(ns: dict | None, ref_seqs: list) -> list | None:
         if g is None:
             out.append(None)
             continue
-        common = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        common = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
         out.append(g[: common + 1])
     return out
 

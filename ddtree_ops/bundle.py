@@ -35,6 +35,7 @@ from pathlib import Path, PurePosixPath
 
 from .errors import BundleError, InputError
 from .patchset import PatchSet, load_patchset
+from .resources import templates_dir as default_templates_dir
 
 FORMAT = "ddtree-ops-bundle/1"
 MANIFEST = "bundle.json"
@@ -91,10 +92,8 @@ class BuiltBundle:
 
 
 def build_bundle(patchset: str, out_dir: str | Path, templates_dir: str | Path | None = None) -> BuiltBundle:
-    from .units import TEMPLATES_DIR
-
     ps = load_patchset(patchset)
-    members = _collect(ps, Path(templates_dir) if templates_dir else TEMPLATES_DIR)
+    members = _collect(ps, Path(templates_dir) if templates_dir else default_templates_dir())
     files = [{"path": n, "size": len(d), "sha256": _sha(d)} for n, d in sorted(members.items())]
     bid = _bundle_id(ps.name, ps.version, ps.digest(), files)
     manifest = {"format": FORMAT, "id": bid,
@@ -187,8 +186,8 @@ def open_bundle(path: str | Path) -> OpenBundle:
     except ValueError as e:
         raise BundleError(f"bundle {p}: {MANIFEST} is not JSON: {e}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise BundleError(f"bundle {p}: unknown format {manifest.get('format') if isinstance(manifest, dict) else None!r} "
-                          f"(expected {FORMAT})")
+        found = manifest.get("format") if isinstance(manifest, dict) else None
+        raise BundleError(f"bundle {p}: unknown format {found!r} (expected {FORMAT})")
     bid, files, psinfo = manifest.get("id"), manifest.get("files"), manifest.get("patchset")
     if not isinstance(bid, str) or not _ID_RE.match(bid) or not isinstance(files, list) or not isinstance(psinfo, dict):
         raise BundleError(f"bundle {p}: {MANIFEST} lacks a valid id, files or patchset")

@@ -7,13 +7,16 @@ Exit codes (also in the README):
 
 from __future__ import annotations
 
-import json
 import sys
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import typer
 
-from .errors import EXIT_ERROR, DdtreeOpsError
+from .cli_common import emit_json as _emit_json
+from .cli_common import guard as _guard
+from .cli_common import log as _log
+from .errors import EXIT_BAD_INPUT, EXIT_ERROR, DdtreeOpsError
+from .testing import SANDBOX_EXTRA_HINT, sandbox_extra_installed
 
 EXIT_CODES_HELP = (
     "Exit codes: 0 ok; 2 bad input or preflight refusal (nothing changed); 3 deploy failed and "
@@ -23,106 +26,26 @@ EXIT_CODES_HELP = (
 
 app = typer.Typer(help="Deploy the temperature-aware DDTree modules to SGLang hosts. " + EXIT_CODES_HELP,
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
-sandbox_app = typer.Typer(help="Local test hosts (network namespaces with sshd, systemctl and SGLang files).",
-                          no_args_is_help=True)
-app.add_typer(sandbox_app, name="sandbox")
-
-
-def _emit_json(doc: Any) -> None:
-    sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
-
-
-def _log(msg: str) -> None:
-    sys.stderr.write(msg + "\n")
-    sys.stderr.flush()
-
-
-def _guard(fn: Callable[[], int | None], *, as_json: bool = False) -> None:
-    """Run a command body; turn our exceptions into a message and the documented exit code."""
-    try:
-        code = fn() or 0
-    except DdtreeOpsError as e:
-        if as_json:
-            _emit_json({"ok": False, "error": type(e).__name__, "message": str(e), "exit_code": e.exit_code})
-        _log(f"error: {e}")
-        raise typer.Exit(e.exit_code)
-    except KeyboardInterrupt:
-        _log("interrupted")
-        raise typer.Exit(130)
-    raise typer.Exit(code)
 
 
 # ---------------------------------------------------------------------------------------------
-# sandbox
+# sandbox: the test rig's commands (ddtree_ops.testing.cli), offered when the `sandbox` extra is
+# installed; without it, `sandbox up|status|down` say how to get it and exit 2.
 
+if sandbox_extra_installed():
+    from .testing.cli import sandbox_app
+else:
+    sandbox_app = typer.Typer(help="Local test hosts: needs the `sandbox` extra.", no_args_is_help=True)
 
-@sandbox_app.command("up")
-def sandbox_up(
-    hosts: int = typer.Option(2, "--hosts", "-n", help="How many test hosts."),
-    dir: str = typer.Option("sandbox", "--dir", help="Folder for keys, inventory and host state."),
-    load_seconds: float = typer.Option(0.5, "--load-seconds", help="Stand-in weight-loading time."),
-    multinode: int = typer.Option(0, "--multinode", help="The last N hosts form one multi-node server (group server1)."),
-    as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
-):
-    """Create N local test hosts and write DIR/inventory.yaml."""
-    from .sandbox import Sandbox
+    def _sandbox_extra_missing() -> None:
+        _log(f"error: {SANDBOX_EXTRA_HINT}")
+        raise typer.Exit(EXIT_BAD_INPUT)
 
-    def body():
-        sb = Sandbox(dir)
-        rows = sb.up(hosts, load_seconds=load_seconds, multinode=multinode)
-        if as_json:
-            _emit_json({"ok": True, "inventory": str(sb.inventory_path), "hosts": rows})
-        else:
-            _print_sandbox(rows)
-            print(f"inventory: {sb.inventory_path}")
-    _guard(body, as_json=as_json)
-
-
-@sandbox_app.command("status")
-def sandbox_status(
-    dir: str = typer.Option("sandbox", "--dir"),
-    as_json: bool = typer.Option(False, "--json"),
-):
-    """Per host: address, SSH facts, unit and /health state (checked over verified SSH)."""
-    from .sandbox import Sandbox
-
-    def body():
-        rows = Sandbox(dir).status()
-        if as_json:
-            _emit_json({"ok": True, "hosts": rows})
-        else:
-            _print_sandbox(rows)
-        return 0 if all(r["ssh_ok"] and r["health_up"] for r in rows) else EXIT_ERROR
-    _guard(body, as_json=as_json)
-
-
-@sandbox_app.command("down")
-def sandbox_down(
-    dir: str = typer.Option("sandbox", "--dir"),
-    as_json: bool = typer.Option(False, "--json"),
-):
-    """Stop every process the sandbox started, delete its namespaces and files."""
-    from .sandbox import Sandbox
-
-    def body():
-        res = Sandbox(dir).down()
-        if as_json:
-            _emit_json({"ok": True, **res})
-        else:
-            print(f"sandbox down: {res['hosts']} host(s), {res['killed']} process(es) stopped")
-    _guard(body, as_json=as_json)
-
-
-def _print_sandbox(rows: list[dict]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    t = Table("host", "address", "sshd", "ssh", "active unit", "/health", "site-packages")
-    for r in rows:
-        t.add_row(r["name"], r["address"], "up" if r["sshd_up"] else "DOWN",
-                  "ok" if r["ssh_ok"] else r.get("ssh_error", "error")[:40],
-                  str(r["active_unit"]), str(r["health"]), r["site_packages"])
-    Console().print(t)
+    for _name in ("up", "status", "down"):
+        sandbox_app.command(_name, help="Needs the `sandbox` extra.", add_help_option=False,
+                            context_settings={"ignore_unknown_options": True, "allow_extra_args": True}
+                            )(_sandbox_extra_missing)
+app.add_typer(sandbox_app, name="sandbox")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,7 +86,8 @@ def render(
         if verify:
             verify_unit(text, h.unit, check_executables=False)
         if as_json:
-            _emit_json({"ok": True, "host": h.name, "unit": h.unit, "path": h.unit_path, "verified": verify, "text": text})
+            _emit_json({"ok": True, "host": h.name, "unit": h.unit, "path": h.unit_path, "verified": verify,
+                        "text": text})
         else:
             sys.stdout.write(text)
     _guard(body, as_json=as_json)
@@ -204,8 +128,9 @@ def plan(
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Per host, what deploy would change (files, unit diff, units to stop/restart). Changes nothing."""
-    from .deploy import plan_host
-    from .transport import connect
+    from .plan import plan_host
+    from .session import session_to
+    from .tables import print_plan
 
     def body():
         ps, b = _load_source(patchset, bundle)
@@ -214,8 +139,8 @@ def plan(
         plans, errors = [], []
         for h in hosts:
             try:
-                with connect(h, accept_new_host_keys=accept_new_host_keys) as conn:
-                    plans.append(plan_host(conn, h, ps, force=force, templates_dir=tdir))
+                with session_to(h, accept_new_host_keys=accept_new_host_keys) as session:
+                    plans.append(plan_host(session, ps, force=force, templates_dir=tdir))
             except DdtreeOpsError as e:
                 errors.append({"host": h.name, "error": type(e).__name__, "message": str(e), "exit_code": e.exit_code})
         if as_json:
@@ -224,7 +149,7 @@ def plan(
                         "plans": [p.to_dict() for p in plans], "errors": errors})
         else:
             for p in plans:
-                _print_plan(p)
+                print_plan(p)
             for e in errors:
                 _log(f"error: {e['message']}")
         if errors:
@@ -233,51 +158,15 @@ def plan(
     _guard(body, as_json=as_json)
 
 
-def _print_plan(p) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    con = Console()
-    con.print(f"[bold]{p.host}[/bold]: {p.patchset} (budget {p.budget}, topk cap {p.topk_cap}); "
-              f"SGLang {p.sglang_version}; current release {p.current_release or 'none'}")
-    if p.interrupted:
-        con.print(f"  interrupted deploy {p.interrupted.get('release')} at step {p.interrupted.get('step')!r}: "
-                  f"will be rolled back first")
-    if p.lock:
-        con.print(f"  deploy lock held: {p.lock.get('user')}@{p.lock.get('machine')} since {p.lock.get('since_utc')}")
-    t = Table("file", "action", "old sha256", "new sha256", "status")
-    for f in p.files:
-        t.add_row(f.rel, f.action, (f.old_sha256 or "-")[:12], f.new_sha256[:12], f.status + (f" ({f.note})" if f.note else ""))
-    con.print(t)
-    print(p.unit_diff or f"unit {p.unit_path}: unchanged")
-    print(f"stop: {', '.join(p.stop_units) or 'nothing'}; restart: {p.restart_unit}")
-    for r in p.refusals:
-        con.print(f"  [red]refused[/red]: {r}")
-
-
 def _print_rollout(res, as_json: bool, extra: dict | None = None) -> int:
     """The summary: one JSON document, or a table on stdout (log excerpts after it)."""
-    code = res.exit_code
     if as_json:
         _emit_json({**res.to_dict(), **(extra or {})})
-        return code
-    from rich.console import Console
-    from rich.table import Table
+    else:
+        from .tables import print_rollout
 
-    from .fleet import summary_rows
-
-    title = f"{res.action}: " + (f"ABORTED ({res.abort_reason})" if res.aborted else "done") + f" in {res.seconds:.1f} s"
-    t = Table("host", "outcome", "release", "failed step", "seconds", "message", title=title, title_justify="left")
-    for row in summary_rows(res):
-        t.add_row(row["host"], row["outcome"], row["release"] or "-", row["failed_step"] or "-", f"{row['seconds']:.1f}",
-                  row["message"][:80])
-    Console(stderr=False).print(t)
-    for r in res.results:
-        if r.log:
-            print(f"--- last log lines of {r.host} ---")
-            print("\n".join(r.log[-15:]))
-    print(f"exit code {code}")
-    return code
+        print_rollout(res)
+    return res.exit_code
 
 
 def _confirm(yes: bool, question: str) -> None:
@@ -288,15 +177,13 @@ def _confirm(yes: bool, question: str) -> None:
 
 
 def _targets(inventory: str, limit: Optional[str], budget: Optional[int] = None, topk_cap: Optional[int] = None):
-    from .fleet import make_targets
     from .inventory import load_inventory, with_overrides
+    from .rollout import Target, make_targets
 
     inv = load_inventory(inventory)
     selected = [with_overrides(h, budget=budget, topk_cap=topk_cap) for h in inv.select(limit)]
     targets, notes = make_targets(inv, selected)
     if budget is not None or topk_cap is not None:  # nodes added to a partly selected server get them too
-        from .fleet import Target
-
         targets = [Target(t.name, tuple(with_overrides(h, budget=budget, topk_cap=topk_cap) for h in t.hosts))
                    for t in targets]
     return targets, notes
@@ -323,18 +210,22 @@ def deploy(
     max_fail: str = typer.Option("0%", "--max-fail", help="Abort when failed targets EXCEED this share of those "
                                                           "attempted (Ansible's max_fail_percentage)."),
     forks: int = typer.Option(10, "--forks", help="Parallel workers (SSH connections) at most."),
-    keep_updated: bool = typer.Option(False, "--keep-updated", help="On abort, leave updated hosts on the new release."),
+    keep_updated: bool = typer.Option(False, "--keep-updated",
+                                      help="On abort, leave updated hosts on the new release."),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout; logs on stderr."),
     no_rollback: bool = typer.Option(False, "--no-rollback", help="On failure leave the host as is (exit 4)."),
     force: bool = typer.Option(False, "--force", help="Replace files that drifted from what we expect."),
     break_lock: bool = typer.Option(False, "--break-lock", help="Clear a stale deploy lock first."),
-    accept_new_host_keys: bool = typer.Option(False, "--accept-new-host-keys", help="Record unknown host keys (never changed ones)."),
-    deadline: Optional[float] = typer.Option(None, "--deadline", help="Seconds to wait for weight loading (default: inventory)."),
+    accept_new_host_keys: bool = typer.Option(False, "--accept-new-host-keys",
+                                              help="Record unknown host keys (never changed ones)."),
+    deadline: Optional[float] = typer.Option(None, "--deadline",
+                                             help="Seconds to wait for weight loading (default: inventory)."),
 ):
-    from .deploy import DeployOptions
-    from .fleet import plan_batches, parse_percent, rolling_deploy
+    from .fleet import rolling_deploy
     from .fleetview import make_progress
+    from .rollout import parse_percent, plan_batches
+    from .runbook import DeployOptions
 
     def body():
         ps, b = _load_source(patchset, bundle)
@@ -371,9 +262,10 @@ def rollback(
 ):
     """Back to the previous release (or --to RELEASE|original), with the same restart and health gate,
     over the same selection as deploy (multi-node servers as a whole)."""
-    from .deploy import DeployOptions
-    from .fleet import plan_batches, rolling_rollback
+    from .fleet import rolling_rollback
     from .fleetview import make_progress
+    from .rollout import plan_batches
+    from .runbook import DeployOptions
 
     def body():
         targets, notes = _targets(inventory, limit)
@@ -406,29 +298,17 @@ def status(
         if as_json:
             _emit_json({"ok": code == 0, "exit_code": code, "hosts": rows})
             return code
-        from rich.console import Console
-        from rich.table import Table
+        from .tables import print_status
 
-        t = Table("host", "reachable", "release", "patch set", "budget", "topk", "drift", "active unit", "/health",
-                  "accept len")
-        for r in rows:
-            acc = r.get("avg_accept_length")
-            t.add_row(r["host"] + (f" ({r['server']} rank {r['node_rank']})" if r.get("server") else ""),
-                      "yes" if r["reachable"] else f"NO: {(r['reason'] or '')[:60]}",
-                      r["release"] or "-", r["patchset"] or "-", str(r["budget"] or "-"), str(r["topk_cap"] or "-"),
-                      ", ".join(d["path"].rsplit("/", 1)[-1] for d in r["drift"]) or "none",
-                      r["active_unit"] or "none", str(r["health"]), f"{acc:.2f}" if acc is not None else "-")
-        Console().print(t)
-        for r in rows:
-            if r["reachable"] and r["reason"]:
-                print(f"{r['host']}: {r['reason']}")
+        print_status(rows)
         return code
     _guard(body, as_json=as_json)
 
 
 @app.command("bundle")
 def bundle_cmd(
-    patchset: str = typer.Option(DEFAULT_PATCHSET, "--patchset", "-p", help="A name under patches/ or a patch-set folder."),
+    patchset: str = typer.Option(DEFAULT_PATCHSET, "--patchset", "-p",
+                                 help="A packaged patch set's name (patches/ in a checkout) or a patch-set folder."),
     out: str = typer.Option("dist", "--out", help="Folder for <id>.tar.gz."),
     templates: Optional[str] = typer.Option(None, "--templates", help="Unit templates folder (default: templates/)."),
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
@@ -457,27 +337,18 @@ def history(
 ):
     """Releases on HOST: id, time, patch set, budget, topk, outcome."""
     from .inventory import load_inventory
-    from .release_store import ReleaseStore
-    from .transport import connect
+    from .session import session_to
 
     def body():
         h = load_inventory(inventory).host(host)
-        with connect(h, accept_new_host_keys=accept_new_host_keys) as conn:
-            hist = ReleaseStore(conn, h).history()
+        with session_to(h, accept_new_host_keys=accept_new_host_keys) as session:
+            hist = session.store.history()
         if as_json:
             _emit_json({"ok": True, "host": h.name, **hist})
             return
-        from rich.console import Console
-        from rich.table import Table
-        import time as _t
+        from .tables import print_history
 
-        t = Table("", "release", "created (UTC)", "patch set", "budget", "topk", "outcome")
-        for r in hist["releases"]:
-            created = _t.strftime("%Y-%m-%d %H:%M:%S", _t.gmtime(r.get("created") or 0))
-            t.add_row("*" if r["id"] == hist["current"] else "", r["id"], created, str(r.get("patchset")),
-                      str(r.get("budget")), str(r.get("topk_cap")), str(r.get("outcome")))
-        Console().print(t)
-        print(f"current: {hist['current'] or 'original upstream files'}")
+        print_history(hist)
     _guard(body, as_json=as_json)
 
 

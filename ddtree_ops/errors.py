@@ -94,9 +94,3 @@ class Interrupted(DdtreeOpsError):
     """The operator pressed Ctrl-C; the host was rolled back."""
 
     exit_code = EXIT_ROLLED_BACK
-
-
-class SandboxError(DdtreeOpsError):
-    """The sandbox cannot be created or managed (missing prerequisite, port taken, ...)."""
-
-    exit_code = EXIT_BAD_INPUT

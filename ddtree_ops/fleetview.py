@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 
-from .fleet import Progress
+from .rollout import Progress
 
 _STYLE = {"deployed": "green", "unchanged": "green", "rolled_back": "yellow", "reverted": "yellow",
           "running": "cyan", "queued": "dim", "skipped": "dim"}
@@ -18,13 +18,10 @@ _STYLE = {"deployed": "green", "unchanged": "green", "rolled_back": "yellow", "r
 class PlainProgress(Progress):
     """`[host] message` lines on stderr (CI logs)."""
 
-    def __init__(self, quiet: bool = False):
-        self.quiet = quiet
+    def __init__(self):
         self._lock = threading.Lock()
 
     def _w(self, line: str) -> None:
-        if self.quiet:
-            return
         with self._lock:
             sys.stderr.write(line + "\n")
             sys.stderr.flush()
@@ -99,8 +96,8 @@ class LiveProgress(Progress):
             self._live = None
 
 
-def make_progress(quiet: bool = False) -> Progress:
+def make_progress() -> Progress:
     """Live table on a terminal; plain lines otherwise (also with --json: logs stay on stderr)."""
-    if not quiet and sys.stderr.isatty():
+    if sys.stderr.isatty():
         return LiveProgress()
-    return PlainProgress(quiet=quiet)
+    return PlainProgress()

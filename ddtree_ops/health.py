@@ -11,13 +11,28 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Protocol
 
 import httpx
 
 from .inventory import Host
-from .transport import HostConnection, shell_join
+from .services import UnitProbe
+
+
+class _Units(Protocol):
+    def probe(self, unit: str, lines: int = 30) -> UnitProbe: ...
+
+
+class ServerAccess(Protocol):
+    """What the health checks need of a host session: its units, HTTP to it, and time."""
+
+    host: Host
+    services: _Units
+
+    def http(self) -> httpx.Client: ...
+
+    def sleep(self, seconds: float) -> None: ...
 
 # Start-up milestones worth showing on the progress line, in the order they appear.
 _MILESTONES = ("Load weight begin", "Load weight end", "Memory pool end", "Capture cuda graph begin",
@@ -33,39 +48,6 @@ class HealthFailure(Exception):
         self.log = log or []
 
 
-@dataclass
-class UnitProbe:
-    active: str
-    main_pid: int | None
-    log: list[str] = field(default_factory=list)
-
-
-def probe_unit(conn: HostConnection, unit: str, lines: int = 30) -> UnitProbe:
-    """is-active, MainPID and the log tail in one round trip."""
-    cmd = "; ".join([
-        shell_join(["systemctl", "is-active", unit]),
-        "echo @@@",
-        shell_join(["systemctl", "show", "-p", "MainPID", unit]),
-        "echo @@@",
-        shell_join(["journalctl", "-u", unit, "-n", str(lines), "--no-pager"]),
-    ])
-    if conn.host.become:
-        cmd = "sudo -n -- sh -c " + shell_join([cmd])
-    out = conn.run_shell(cmd, check=False, timeout=30).stdout
-    parts = out.split("@@@\n")
-    active = (parts[0].strip().splitlines() or ["unknown"])[0] if parts else "unknown"
-    pid = None
-    if len(parts) > 1:
-        for line in parts[1].splitlines():
-            if line.startswith("MainPID="):
-                try:
-                    pid = int(line.split("=", 1)[1]) or None
-                except ValueError:
-                    pid = None
-    log = [ln for ln in (parts[2].splitlines() if len(parts) > 2 else []) if ln.strip()]
-    return UnitProbe(active, pid, log)
-
-
 def latest_milestone(log: list[str]) -> str | None:
     for line in reversed(log):
         if any(m in line for m in _MILESTONES):
@@ -73,12 +55,14 @@ def latest_milestone(log: list[str]) -> str | None:
     return None
 
 
-def _client(host: Host) -> httpx.Client:
+def http_client(host: Host, transport: httpx.BaseTransport | None = None) -> httpx.Client:
+    """A client for the host's server; the API key (if any) comes from the operator's environment.
+    `transport` is the seam a fake host plugs an httpx.MockTransport into."""
     headers = {}
     if host.api_key_env and os.environ.get(host.api_key_env):
         headers["Authorization"] = "Bearer " + os.environ[host.api_key_env]
     return httpx.Client(base_url=host.base_url, timeout=host.health.request_timeout_s, headers=headers,
-                        trust_env=False)
+                        trust_env=False, transport=transport)
 
 
 def health_status(client: httpx.Client, timeout: float | None = None) -> int | str:
@@ -93,18 +77,20 @@ def health_status(client: httpx.Client, timeout: float | None = None) -> int | s
         return type(e).__name__
 
 
-def wait_until_serving(conn: HostConnection, host: Host, unit: str, *, expected_pid: int | None,
+def wait_until_serving(session: ServerAccess, unit: str, *, expected_pid: int | None,
                        deadline_s: float | None = None,
                        progress: Callable[[float, str], None] | None = None) -> float:
     """Poll until /health is 200; fail at once when the unit dies or respawns. Returns seconds."""
+    host = session.host
     deadline_s = deadline_s or host.health.load_deadline_s
     start = time.monotonic()
-    with _client(host) as client:
+    with session.http() as client:
         while True:
             elapsed = time.monotonic() - start
-            p = probe_unit(conn, unit)
+            p = session.services.probe(unit)
             if p.active not in ("active", "activating", "reloading"):
-                raise HealthFailure(f"{unit} is {p.active} after {elapsed:.1f} s (the server exited while starting)", p.log)
+                raise HealthFailure(f"{unit} is {p.active} after {elapsed:.1f} s (the server exited while starting)",
+                                    p.log)
             if expected_pid and p.main_pid and p.main_pid != expected_pid:
                 raise HealthFailure(f"{unit} restarted while starting (MainPID {expected_pid} → {p.main_pid}): "
                                     f"the server crashed and Restart= respawned it", p.log)
@@ -114,8 +100,9 @@ def wait_until_serving(conn: HostConnection, host: Host, unit: str, *, expected_
             if status == 200:
                 return elapsed
             if elapsed > deadline_s:
-                raise HealthFailure(f"{unit} not ready after {deadline_s:.0f} s (deadline; last /health: {status})", p.log)
-            time.sleep(host.health.poll_interval_s)
+                raise HealthFailure(f"{unit} not ready after {deadline_s:.0f} s (deadline; last /health: {status})",
+                                    p.log)
+            session.sleep(host.health.poll_interval_s)
 
 
 @dataclass
@@ -125,12 +112,12 @@ class GateResult:
     accept_length: float | None
 
 
-def health_gate(host: Host, conn: HostConnection | None = None, unit: str | None = None,
-                expected_pid: int | None = None) -> GateResult:
+def health_gate(session: ServerAccess, unit: str, expected_pid: int | None = None) -> GateResult:
     """`/health` 200 N times in a row, then a sampled `/generate` must return text, then
-    (optionally) the average accept length must reach the inventory's minimum."""
-    hs = host.health
-    with _client(host) as client:
+    (optionally) the average accept length must reach the inventory's minimum; and the unit
+    must still be the process that started."""
+    hs = session.host.health
+    with session.http() as client:
         ok = 0
         attempts = 0
         max_attempts = hs.consecutive_successes * 3 + 5
@@ -144,7 +131,7 @@ def health_gate(host: Host, conn: HostConnection | None = None, unit: str | None
             if attempts > max_attempts:
                 raise HealthFailure("/health gate did not settle")
             if ok < hs.consecutive_successes:
-                time.sleep(hs.poll_interval_s)
+                session.sleep(hs.poll_interval_s)
         try:
             r = client.post("/generate", json={
                 "text": hs.generate_prompt,
@@ -171,8 +158,7 @@ def health_gate(host: Host, conn: HostConnection | None = None, unit: str | None
                 raise HealthFailure(f"/server_info has no avg_spec_accept_length ({type(e).__name__})") from None
             if accept < hs.min_accept_length:
                 raise HealthFailure(f"avg accept length {accept:.2f} < min_accept_length {hs.min_accept_length}")
-    if conn is not None and unit is not None:
-        p = probe_unit(conn, unit, lines=10)
-        if p.active != "active" or (expected_pid and p.main_pid != expected_pid):
-            raise HealthFailure(f"{unit} died after passing the health gate ({p.active}, MainPID {p.main_pid})", p.log)
+    p = session.services.probe(unit, lines=10)
+    if p.active != "active" or (expected_pid and p.main_pid != expected_pid):
+        raise HealthFailure(f"{unit} died after passing the health gate ({p.active}, MainPID {p.main_pid})", p.log)
     return GateResult(ok, text, accept)

@@ -36,19 +36,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from .errors import PatchSetError
+from .resources import patches_dir as default_patches_dir
+from .schema import NAME_RE
+from .yamlfile import YamlProblem, load_yaml
 
-PATCHES_DIR = Path(__file__).resolve().parent.parent / "patches"
 MANIFEST = "manifest.yaml"
 FILES_DIR = "files"
 DEFAULT_MODE = 0o644
 ACTIONS = ("add", "replace")
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 _MODE_RE = re.compile(r"^0?[0-7]{3}$")
 # One path component: what Python package paths need, nothing a shell or systemd treats specially.
@@ -166,8 +166,8 @@ def _resolve(ref: str, patches_dir: str | Path | None) -> tuple[Path, bool]:
     """(directory, loaded_by_name)."""
     if not isinstance(ref, str) or not ref:
         raise PatchSetError(f"patch set reference must be a name or a directory, got {ref!r}")
-    base = Path(patches_dir) if patches_dir is not None else PATCHES_DIR
-    if "/" not in ref and os.sep not in ref and ref not in (".", "..") and _NAME_RE.match(ref):
+    if "/" not in ref and os.sep not in ref and ref not in (".", "..") and NAME_RE.match(ref):
+        base = Path(patches_dir) if patches_dir is not None else default_patches_dir()
         cand = base / ref
         if cand.is_dir():
             return cand, True
@@ -183,7 +183,7 @@ def _resolve(ref: str, patches_dir: str | Path | None) -> tuple[Path, bool]:
 
 
 def load_patchset(ref: str, patches_dir: str | Path | None = None) -> PatchSet:
-    """Load and validate a patch set by name (under `patches_dir`, default the repo's patches/)
+    """Load and validate a patch set by name (under `patches_dir`, default `resources.patches_dir()`)
     or by directory path. Raises PatchSetError naming the manifest and the entry/field."""
     root, by_name = _resolve(ref, patches_dir)
     root = root.resolve()
@@ -200,11 +200,9 @@ def load_patchset(ref: str, patches_dir: str | Path | None = None) -> PatchSet:
     except OSError as e:
         raise PatchSetError(f"{mname}: cannot read: {e.strerror}") from None
     try:
-        doc = yaml.safe_load(raw)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise PatchSetError(f"{mname}: not valid YAML{at}: {getattr(e, 'problem', e)}") from None
+        doc = load_yaml(raw)
+    except YamlProblem as e:
+        raise PatchSetError(f"{mname}: {e}") from None
 
     if not isinstance(doc, dict):
         fail(None, "the manifest must be a mapping with name, version, sglang and files")
@@ -216,7 +214,7 @@ def load_patchset(ref: str, patches_dir: str | Path | None = None) -> PatchSet:
         fail(f"field {missing[0]!r}", "is required")
 
     name = doc["name"]
-    if not isinstance(name, str) or not _NAME_RE.match(name):
+    if not isinstance(name, str) or not NAME_RE.match(name):
         fail("field 'name'", f"must match [A-Za-z0-9][A-Za-z0-9_.-]* (max 64), got {name!r}")
     if by_name and name != root.name:
         fail("field 'name'", f"{name!r} differs from its directory name {root.name!r}")

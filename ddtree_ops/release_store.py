@@ -1,8 +1,10 @@
 """The release store on a host, driven from here through the remote agent.
 
-Each call ships `remote_agent.py` and one JSON request over the SSH session's stdin to the host's
-own Python (`python -c BOOTSTRAP`), so no file is left behind, no value passes through a shell
-unquoted, and a non-root user's privileged steps run under `sudo -n` like any other command.
+`ReleaseStore` speaks the agent's protocol (one JSON request, one JSON answer) through a
+transport: `SSHAgent` ships `remote_agent.py` and the request over the SSH session's stdin to the
+host's own Python (`python -c BOOTSTRAP`), so no file is left behind, no value passes through a
+shell unquoted, and a non-root user's privileged steps run under `sudo -n` like any other
+command. A fake host (ddtree_ops.testing.fake_host) is another transport.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from . import remote_agent
 from .errors import LockHeldError, RemoteCommandError
@@ -42,14 +44,19 @@ class LockHolder:
     holder: dict[str, Any]
 
 
-class ReleaseStore:
+class AgentTransport(Protocol):
+    def call(self, request: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """Run one agent request; its `result`, or RemoteCommandError/UnreachableError."""
+
+
+class SSHAgent:
+    """The remote agent over SSH, run by the host's own Python."""
+
     def __init__(self, conn: HostConnection, host: Host):
         self.conn, self.host = conn, host
-        self.state_dir = host.state_dir
 
-    # -- transport to the agent ----------------------------------------------------------------
-    def call(self, op: str, timeout: float = 300, **request: Any) -> dict[str, Any]:
-        request = {"op": op, "state_dir": self.state_dir, **request}
+    def call(self, request: dict[str, Any], timeout: float) -> dict[str, Any]:
+        op = request["op"]
         payload = json.dumps({"agent": _AGENT_SOURCE, "request": request})
         res = self.conn.run([self.host.python, "-c", remote_agent.BOOTSTRAP], check=False,
                             stdin=payload, timeout=timeout)
@@ -60,9 +67,23 @@ class ReleaseStore:
                 f"{self.host.name}: remote step {op!r} failed (exit {res.exit_code}) with {self.host.python}: "
                 f"{(res.stderr or res.stdout).strip()[-800:]}"
             ) from None
-        if not answer.get("ok"):
-            raise RemoteCommandError(f"{self.host.name}: remote step {op!r} failed: {answer.get('error')}")
-        return answer["result"]
+        return answer_result(self.host.name, op, answer)
+
+
+def answer_result(host: str, op: str, answer: dict[str, Any]) -> dict[str, Any]:
+    """The agent's answer document → its result, or the error it reported."""
+    if not answer.get("ok"):
+        raise RemoteCommandError(f"{host}: remote step {op!r} failed: {answer.get('error')}")
+    return answer["result"]
+
+
+class ReleaseStore:
+    def __init__(self, agent: AgentTransport, host: Host):
+        self.agent, self.host = agent, host
+        self.state_dir = host.state_dir
+
+    def call(self, op: str, timeout: float = 300, **request: Any) -> dict[str, Any]:
+        return self.agent.call({"op": op, "state_dir": self.state_dir, **request}, timeout)
 
     # -- facts ---------------------------------------------------------------------------------
     def facts(self, paths: list[str]) -> dict[str, Any]:

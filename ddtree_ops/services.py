@@ -1,14 +1,15 @@
-"""systemctl on the host: states, start/stop/restart, enablement, the unit's recent log.
+"""systemctl on the host: unit states, restart/stop/enable/disable, and a probe of one unit.
 
 Works with real systemd and with docker-systemctl-replacement (the sandbox), so only the
 common subset is used: `is-active`, `is-enabled`, `show -p MainPID`, `journalctl -u -n`.
+What systemctl prints is parsed by the pure functions at the top (one parser per output).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from .transport import HostConnection
+from .transport import HostConnection, shell_join
 
 
 @dataclass(frozen=True)
@@ -18,55 +19,102 @@ class UnitState:
     enabled: str  # enabled, disabled, static, unknown
     main_pid: int | None
 
-    @property
-    def is_active(self) -> bool:
-        return self.active == "active"
+
+@dataclass
+class UnitProbe:
+    """A unit as the health wait sees it: state, MainPID and the last lines of its log."""
+
+    active: str
+    main_pid: int | None
+    log: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------
+# parsing systemctl's output (pure)
+
+
+def parse_main_pid(text: str) -> int | None:
+    """The PID from `systemctl show -p MainPID` output (`MainPID=1234`); None for 0 or nothing."""
+    for line in text.splitlines():
+        if line.startswith("MainPID="):
+            value = line.split("=", 1)[1].strip()
+            return (int(value) or None) if value.isdigit() else None
+    return None
+
+
+def first_word(text: str) -> str:
+    """`is-active`/`is-enabled` answer on their first line; an empty answer is 'unknown'."""
+    lines = text.strip().splitlines()
+    return lines[0].strip() if lines and lines[0].strip() else "unknown"
+
+
+# `states` asks for every unit in one round trip; each unit is one tab-separated line.
+STATES_SCRIPT = ('for u do a=$(systemctl is-active "$u"); e=$(systemctl is-enabled "$u"); '
+                 'p=$(systemctl show -p MainPID "$u"); printf "%s\\t%s\\t%s\\t%s\\n" "$u" "$a" "$e" "$p"; done')
+
+
+def parse_states(text: str, units: tuple[str, ...] | list[str]) -> dict[str, UnitState]:
+    """STATES_SCRIPT's output → a state per asked unit ('unknown' for a unit it did not report)."""
+    found: dict[str, UnitState] = {}
+    for line in text.splitlines():
+        parts = line.split("\t")
+        if len(parts) != 4 or parts[0] not in units:
+            continue
+        found[parts[0]] = UnitState(parts[0], first_word(parts[1]), first_word(parts[2]), parse_main_pid(parts[3]))
+    return {u: found.get(u, UnitState(u, "unknown", "unknown", None)) for u in units}
+
+
+_PROBE_SEP = "@@@"
+
+
+def probe_command(unit: str, lines: int) -> str:
+    """is-active, MainPID and the log tail of `unit` in one shell command line."""
+    return "; ".join([
+        shell_join(["systemctl", "is-active", unit]),
+        shell_join(["echo", _PROBE_SEP]),
+        shell_join(["systemctl", "show", "-p", "MainPID", unit]),
+        shell_join(["echo", _PROBE_SEP]),
+        shell_join(["journalctl", "-u", unit, "-n", str(lines), "--no-pager"]),
+    ])
+
+
+def parse_probe(text: str) -> UnitProbe:
+    parts = text.split(_PROBE_SEP + "\n")
+    active = first_word(parts[0]) if parts else "unknown"
+    pid = parse_main_pid(parts[1]) if len(parts) > 1 else None
+    log = [ln for ln in (parts[2].splitlines() if len(parts) > 2 else []) if ln.strip()]
+    return UnitProbe(active, pid, log)
+
+
+# ---------------------------------------------------------------------------------------------
+# the units of one host
 
 
 class Services:
     def __init__(self, conn: HostConnection):
         self.conn = conn
 
-    def state(self, unit: str) -> UnitState:
-        active = self.conn.run(["systemctl", "is-active", unit], check=False).stdout.strip() or "unknown"
-        enabled = self.conn.run(["systemctl", "is-enabled", unit], check=False).stdout.strip() or "unknown"
-        return UnitState(unit, active.splitlines()[0], enabled.splitlines()[0], self.main_pid(unit))
-
-    def states(self, units: list[str] | tuple[str, ...]) -> dict[str, UnitState]:
+    def states(self, units: tuple[str, ...] | list[str]) -> dict[str, UnitState]:
         """The state of several units in one round trip (each systemctl call costs one, and
         the sandbox's Python systemctl is slow to start)."""
-        script = ('for u do a=$(systemctl is-active "$u"); e=$(systemctl is-enabled "$u"); '
-                  'p=$(systemctl show -p MainPID "$u"); printf "%s\\t%s\\t%s\\t%s\\n" "$u" "$a" "$e" "$p"; done')
-        out = self.conn.run(["sh", "-c", script, "sh", *units], check=False).stdout
-        found: dict[str, UnitState] = {}
-        for line in out.splitlines():
-            parts = line.split("\t")
-            if len(parts) != 4 or parts[0] not in units:
-                continue
-            pid = parts[3].split("=", 1)[1].strip() if "=" in parts[3] else ""
-            found[parts[0]] = UnitState(parts[0], parts[1].strip() or "unknown", parts[2].strip() or "unknown",
-                                        int(pid) if pid.isdigit() and int(pid) else None)
-        return {u: found.get(u, UnitState(u, "unknown", "unknown", None)) for u in units}
+        units = tuple(units)
+        out = self.conn.run(["sh", "-c", STATES_SCRIPT, "sh", *units], check=False).stdout
+        return parse_states(out, units)
 
-    def is_active(self, unit: str) -> str:
-        return (self.conn.run(["systemctl", "is-active", unit], check=False).stdout.strip() or "unknown").splitlines()[0]
+    def state(self, unit: str) -> UnitState:
+        return self.states((unit,))[unit]
 
     def main_pid(self, unit: str) -> int | None:
-        out = self.conn.run(["systemctl", "show", "-p", "MainPID", unit], check=False).stdout
-        for line in out.splitlines():
-            if line.startswith("MainPID="):
-                try:
-                    pid = int(line.split("=", 1)[1].strip())
-                except ValueError:
-                    return None
-                return pid or None
-        return None
+        return parse_main_pid(self.conn.run(["systemctl", "show", "-p", "MainPID", unit], check=False).stdout)
+
+    def probe(self, unit: str, lines: int = 30) -> UnitProbe:
+        cmd = probe_command(unit, lines)
+        if self.conn.host.become:
+            cmd = "sudo -n -- sh -c " + shell_join([cmd])
+        return parse_probe(self.conn.run_shell(cmd, check=False, timeout=30).stdout)
 
     def daemon_reload(self) -> None:
         self.conn.run(["systemctl", "daemon-reload"])
-
-    def start(self, unit: str) -> None:
-        self.conn.run(["systemctl", "start", unit], timeout=300)
 
     def stop(self, unit: str) -> None:
         self.conn.run(["systemctl", "stop", unit], timeout=300)
@@ -80,7 +128,3 @@ class Services:
 
     def disable(self, unit: str) -> None:
         self.conn.run(["systemctl", "disable", unit], check=False)
-
-    def log_tail(self, unit: str, lines: int = 20) -> list[str]:
-        res = self.conn.run(["journalctl", "-u", unit, "-n", str(lines), "--no-pager"], check=False, timeout=30)
-        return [ln for ln in res.stdout.splitlines() if ln.strip()][-lines:]

@@ -15,11 +15,9 @@ from typing import Any
 import httpx
 
 from .errors import DdtreeOpsError
-from .health import _client, health_status
+from .health import health_status, http_client
 from .inventory import Host
-from .release_store import ReleaseStore
-from .services import Services
-from .transport import HostConnection
+from .session import open_session
 from .units import parse_exec_flags
 
 
@@ -28,7 +26,7 @@ def _http(host: Host, row: dict[str, Any]) -> None:
         row["health"] = f"n/a (rank {host.node_rank})"
         return
     try:
-        with _client(host) as c:
+        with http_client(host) as c:
             row["health"] = health_status(c, timeout=min(5.0, host.health.request_timeout_s))
             if row["health"] == 200:
                 try:
@@ -45,14 +43,14 @@ def _http(host: Host, row: dict[str, Any]) -> None:
 def host_status(host: Host, *, accept_new_host_keys: bool = False) -> dict[str, Any]:
     t0 = time.monotonic()
     row: dict[str, Any] = {
-        "host": host.name, "address": host.address, "server": host.server, "node_rank": host.node_rank if host.server else None,
+        "host": host.name, "address": host.address, "server": host.server,
+        "node_rank": host.node_rank if host.server else None,
         "reachable": False, "reason": None, "release": None, "patchset": None, "bundle": None,
         "release_outcome": None, "budget": None, "topk_cap": None, "algorithm": None, "drift": [],
         "units": {}, "active_unit": None, "health": None, "avg_accept_length": None, "journal": None, "lock": None,
     }
     try:
-        conn = HostConnection(host, accept_new_host_keys=accept_new_host_keys)
-        conn.open()
+        session = open_session(host, accept_new_host_keys=accept_new_host_keys)
     except DdtreeOpsError as e:
         row["reason"] = str(e)
     except Exception as e:
@@ -60,7 +58,7 @@ def host_status(host: Host, *, accept_new_host_keys: bool = False) -> dict[str, 
     else:
         try:
             row["reachable"] = True
-            store = ReleaseStore(conn, host)
+            store = session.store
             facts = store.facts([])
             rel = facts.get("current_release") or {}
             row["release"] = facts.get("current")
@@ -77,14 +75,13 @@ def host_status(host: Host, *, accept_new_host_keys: bool = False) -> dict[str, 
                     got = f.get("sha256") if f.get("exists") else None
                     if got != sha:
                         row["drift"].append({"path": path, "recorded": sha, "now": got})
-            svc = Services(conn)
-            for u in (host.unit, *host.conflicts):
-                row["units"][u] = svc.is_active(u)
+            for u, st in session.services.states((host.unit, *host.conflicts)).items():
+                row["units"][u] = st.active
             row["active_unit"] = next((u for u, s in row["units"].items() if s == "active"), None)
             if row["active_unit"] == host.unit and facts.get("unit_text"):
                 flags = parse_exec_flags(facts["unit_text"])
             elif row["active_unit"]:
-                r = conn.run(["cat", f"/etc/systemd/system/{row['active_unit']}"], check=False)
+                r = session.conn.run(["cat", f"/etc/systemd/system/{row['active_unit']}"], check=False)
                 flags = parse_exec_flags(r.stdout) if r.ok else {}
             else:
                 flags = parse_exec_flags(facts.get("unit_text") or "")
@@ -95,7 +92,7 @@ def host_status(host: Host, *, accept_new_host_keys: bool = False) -> dict[str, 
         except Exception as e:
             row["reason"] = f"reading the host failed: {type(e).__name__}: {e}"
         finally:
-            conn.close()
+            session.close()
     _http(host, row)
     row["seconds"] = round(time.monotonic() - t0, 2)
     row["ok"] = bool(row["reachable"] and not row["reason"] and not row["drift"]

@@ -13,7 +13,6 @@ path that a privileged step then moves into place.
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import select
 import shlex
@@ -120,7 +119,8 @@ class HostConnection:
             if isinstance(e, paramiko.AuthenticationException):
                 raise UnreachableError(f"{self.host.name}: SSH authentication failed for {self.host.ssh_user}@"
                                        f"{self.host.address}: {e}") from None
-            raise UnreachableError(f"{self.host.name}: SSH to {self.host.address}:{self.host.ssh_port} failed: {e}") from None
+            raise UnreachableError(f"{self.host.name}: SSH to {self.host.address}:{self.host.ssh_port} "
+                                   f"failed: {e}") from None
         except (socket.timeout, TimeoutError):
             raise UnreachableError(f"{self.host.name}: connection to {self.host.address}:{self.host.ssh_port} "
                                    f"timed out after {self.host.connect_timeout_s:g} s") from None
@@ -198,30 +198,10 @@ class HostConnection:
         res = Result(command, code, out.decode(errors="replace"), err.decode(errors="replace"))
         if check and not res.ok:
             raise RemoteCommandError(
-                f"{self.host.name}: `{command[:300]}` exited {res.exit_code}: {(res.stderr or res.stdout).strip()[-800:]}"
+                f"{self.host.name}: `{command[:300]}` exited {res.exit_code}: "
+                f"{(res.stderr or res.stdout).strip()[-800:]}"
             )
         return res
-
-    def put(self, local: str | os.PathLike, remote: str) -> None:
-        """Upload a file (SFTP). Not atomic: callers upload to a staging path, then move."""
-        try:
-            self._conn.put(str(local), remote)
-        except (paramiko.SSHException, OSError, EOFError) as e:
-            raise UnreachableError(f"{self.host.name}: upload to {remote} failed: {e}") from None
-
-    def put_bytes(self, data: bytes, remote: str) -> None:
-        try:
-            self._conn.put(io.BytesIO(data), remote)
-        except (paramiko.SSHException, OSError, EOFError) as e:
-            raise UnreachableError(f"{self.host.name}: upload to {remote} failed: {e}") from None
-
-    def get_bytes(self, remote: str) -> bytes:
-        buf = io.BytesIO()
-        try:
-            self._conn.get(remote, buf)
-        except (paramiko.SSHException, OSError, EOFError) as e:
-            raise UnreachableError(f"{self.host.name}: download of {remote} failed: {e}") from None
-        return buf.getvalue()
 
 
 @contextlib.contextmanager

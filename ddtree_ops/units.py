@@ -1,6 +1,7 @@
 """systemd unit rendering, verification, diffing and read-back.
 
-The unit is rendered from a Jinja2 template (``templates/<host.template>``) with every
+The unit is rendered from a Jinja2 template (``templates/<host.template>``, found through
+`resources.templates_dir()` unless a bundle's folder is given) with every
 `Host` field in the context and two filters:
 
 * ``systemd_quote`` — one argument of an ``ExecStart=`` command line, quoted per
@@ -30,9 +31,9 @@ from typing import Any, Callable, Sequence
 import jinja2
 
 from .errors import InputError
-from .inventory import BUDGET_MAX, Host, is_valid_unit_name
-
-TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "templates"
+from .inventory import Host, check_host_fields
+from .resources import templates_dir as default_templates_dir
+from .schema import Invalid, is_valid_unit_name
 
 SYSTEMD_ANALYZE = "systemd-analyze"
 # What ExecStart's program is replaced with when the real one only exists on the remote host.
@@ -93,10 +94,6 @@ def systemd_env(assignment: Any) -> str:
 
 # --------------------------------------------------------------------------- rendering
 
-def _int_in(value: Any, lo: int, hi: int) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int) and lo <= value <= hi
-
-
 def _has_control(value: Any) -> bool:
     if isinstance(value, str):
         return any(ord(c) < 32 or ord(c) == 127 for c in value)
@@ -106,24 +103,16 @@ def _has_control(value: Any) -> bool:
 
 
 def _check_host(host: Host) -> None:
-    """Defence in depth: the Host may have been built with dataclasses.replace()."""
+    """Defence in depth: the Host may have been built with dataclasses.replace(). The numbers and
+    unit names go through the inventory's own validators; no field may hold a control character."""
 
     def fail(fieldname: str, problem: str) -> None:
         raise InputError(f"host {host.name!r}: field {fieldname!r}: {problem} (refusing to render the unit)")
 
-    if not _int_in(host.budget, 1, BUDGET_MAX):
-        fail("budget", f"must be an integer 1..{BUDGET_MAX}, got {host.budget!r}")
-    if not _int_in(host.topk_cap, 1, host.budget):
-        fail("topk_cap", f"must be an integer 1..budget ({host.budget}), got {host.topk_cap!r}")
-    if not _int_in(host.port, 1, 65535):
-        fail("port", f"must be an integer 1..65535, got {host.port!r}")
-    if not _int_in(host.tp, 1, 1024):
-        fail("tp", f"must be an integer 1..1024, got {host.tp!r}")
-    if not is_valid_unit_name(host.unit) or not host.unit.endswith(".service"):
-        fail("unit", f"{host.unit!r} is not a valid systemd .service unit name")
-    for c in host.conflicts:
-        if not is_valid_unit_name(c):
-            fail("conflicts", f"{c!r} is not a valid systemd unit name")
+    try:
+        check_host_fields(host, ("budget", "topk_cap", "port", "tp", "unit", "conflicts"))
+    except Invalid as e:
+        fail(e.field or "?", e.problem)
     for f in fields(host):
         if _has_control(getattr(host, f.name)):
             fail(f.name, "must not contain control characters (newline, tab, ...)")
@@ -146,7 +135,7 @@ def _jinja_env(templates_dir: Path) -> jinja2.Environment:
 def render_unit(host: Host, templates_dir: str | Path | None = None) -> str:
     """Render `host.template` for `host`. Raises InputError on bad values or a broken template."""
     _check_host(host)
-    tdir = Path(templates_dir) if templates_dir is not None else TEMPLATES_DIR
+    tdir = Path(templates_dir) if templates_dir is not None else default_templates_dir()
     context: dict[str, Any] = {f.name: getattr(host, f.name) for f in fields(host)}
     context["unit_path"] = host.unit_path
     try:

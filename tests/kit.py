@@ -1,5 +1,6 @@
-"""Shared test kit (imported by tests/conftest.py and the test modules as `kit`): one set of real sandbox hosts per test session, reset per test, and small
-patch sets built from the real sglang 0.5.23 files.
+"""Shared test kit (imported by tests/conftest.py and the test modules as `kit`): one set of real
+sandbox hosts per test session, reset per test, and small patch sets built from the real sglang
+0.5.23 files.
 
 Sandbox tests need root, iproute2, util-linux and OpenSSH sshd. Without them they are skipped,
 except under DDTREE_OPS_STRICT=1 (set by .ci/run), where a missing prerequisite is a failure:
@@ -8,7 +9,6 @@ CI must never go green by skipping the tests that matter.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import os
@@ -31,7 +31,7 @@ def sha256_bytes(data: bytes) -> str:
 
 
 def _require_sandbox() -> None:
-    from ddtree_ops.sandbox import missing_prerequisites
+    from ddtree_ops.testing.sandbox import missing_prerequisites
 
     missing = missing_prerequisites()
     if missing:
@@ -45,7 +45,7 @@ def _require_sandbox() -> None:
 def sandbox(tmp_path_factory):
     """Real test hosts (network + mount namespaces, sshd, systemctl, sglang files)."""
     _require_sandbox()
-    from ddtree_ops.sandbox import Sandbox
+    from ddtree_ops.testing.sandbox import Sandbox
 
     sb = Sandbox(tmp_path_factory.mktemp("sandbox"))
     try:
@@ -140,7 +140,7 @@ def fresh_hosts(sandbox) -> list[TestHost]:
 
 
 def upstream_file(rel: str) -> bytes:
-    from ddtree_ops.sandbox import sglang_site_tree
+    from ddtree_ops.testing.sandbox import sglang_site_tree
 
     return (sglang_site_tree() / rel).read_bytes()
 
@@ -149,7 +149,7 @@ def make_patchset(root: Path, files: dict[str, bytes], *, name: str = "testps", 
                   sglang: str = "==0.5.23", replace: tuple[str, ...] | None = None) -> Path:
     """A patch set folder: each rel path → content; paths that exist upstream are `replace`
     (with the real base hash), the others `add`."""
-    from ddtree_ops.sandbox import sglang_site_tree
+    from ddtree_ops.testing.sandbox import sglang_site_tree
 
     site = sglang_site_tree()
     d = root / name
@@ -254,6 +254,7 @@ def _clean(sandbox, name: str) -> TestHost:
     freshly reset host (files, modes, owners, units, no extra mounts, its own sshd alive, DFlash
     serving, DDTree stopped) only the state dir is wiped; otherwise a full `reset_host`."""
     import httpx
+
     from ddtree_ops.localproc import pid_alive
 
     th = TestHost(name, sandbox, Path(sandbox.inventory_path))
@@ -383,7 +384,7 @@ def write_inventory(sandbox, path: Path, host_vars: dict[str, dict] | None = Non
                     multinode: list[str] | None = None) -> Path:
     """A copy of the sandbox inventory with extra vars per host and, optionally, `multinode`
     hosts (rank 0 first) grouped as the multi-node server `server1`."""
-    from ddtree_ops.sandbox import multinode_inventory
+    from ddtree_ops.testing.sandbox import multinode_inventory
 
     doc = yaml.safe_load(Path(sandbox.inventory_path).read_text())
     base_args = list(doc["all"]["vars"]["extra_args"])

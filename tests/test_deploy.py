@@ -8,8 +8,8 @@ import time
 import httpx
 import pytest
 
-from kit import DFLASH_INFO, REPO, make_patchset, run_cli, snapshot_paths, upstream_file
 from ddtree_ops.units import parse_exec_flags
+from kit import DFLASH_INFO, REPO, make_patchset, run_cli, snapshot_paths, upstream_file
 
 DDTREE = "sglang-k26-ddtree.service"
 DFLASH = "sglang-k26-dflash-cg.service"
@@ -166,11 +166,10 @@ def test_drifted_upstream_file_is_refused_unless_forced(fresh_host, good_patchse
 
 
 def test_held_lock_exits_5_and_names_the_holder(fresh_host, good_patchset):
-    from ddtree_ops.release_store import ReleaseStore
-    from ddtree_ops.transport import connect
+    from ddtree_ops.session import session_to
 
-    with connect(fresh_host.host) as conn:
-        store = ReleaseStore(conn, fresh_host.host)
+    with session_to(fresh_host.host) as session:
+        store = session.store
         lock = store.acquire_lock("ddtree-ops deploy (another operator)")
         try:
             r = run_cli("deploy", "-i", str(fresh_host.inventory), "-p", str(good_patchset), "--yes")
@@ -215,7 +214,7 @@ def test_render_prints_the_unit_and_rejects_bad_values(sandbox):
     r = run_cli("render", "--host", "sbx1", "-i", str(sandbox.inventory_path), "--budget", "64", "--topk-cap", "8")
     assert r.code == 0, r.stderr
     assert parse_exec_flags(r.stdout) == {"algorithm": "DDTREE", "budget": 64, "topk_cap": 8}
-    assert "ExecStart=/opt/venv_sglang/bin/python -m ddtree_ops.standin_server" in r.stdout
+    assert "ExecStart=/opt/venv_sglang/bin/python -m ddtree_ops.testing.standin" in r.stdout
     bad = run_cli("render", "--host", "sbx1", "-i", str(sandbox.inventory_path), "--budget", "4", "--topk-cap", "5")
     assert bad.code == 2 and "--topk-cap" in bad.stderr
 

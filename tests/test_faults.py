@@ -29,13 +29,10 @@ import time
 from pathlib import Path
 
 import httpx
-
-from ddtree_ops.localproc import pid_alive
 import pytest
 
-from kit import (DFLASH_INFO, _PRISTINE, host_tree, in_parallel, make_patchset, upstream_file,
-                      wait_for)
-from kit import run_cli
+from ddtree_ops.localproc import pid_alive
+from kit import _PRISTINE, DFLASH_INFO, host_tree, in_parallel, make_patchset, run_cli, upstream_file, wait_for
 
 DDTREE = "sglang-k26-ddtree.service"
 DFLASH = "sglang-k26-dflash-cg.service"
@@ -292,8 +289,8 @@ def _interrupted(th, start_cli, tmp: Path, point: str):
 
 def test_sigint_at_each_point_rolls_back_cleanly_and_exits_3(clean_hosts, start_cli, tmp_path):
     points = ["after-backup", "between-files", "after-unit", "wait-for-weights"]
-    scenarios = {pt: (lambda th=clean_hosts[i % len(clean_hosts)], pt=pt: _interrupted(th, start_cli, tmp_path / pt, pt))
-                 for i, pt in enumerate(points)}
+    hosts = {pt: clean_hosts[i % len(clean_hosts)] for i, pt in enumerate(points)}
+    scenarios = {pt: (lambda pt=pt: _interrupted(hosts[pt], start_cli, tmp_path / pt, pt)) for pt in points}
     if len(clean_hosts) >= len(points):
         in_parallel(scenarios)
     else:
@@ -362,9 +359,9 @@ HOSTILE = [
 
 
 def test_hostile_inventory_values_are_rejected_with_exit_2_naming_file_host_and_field(sandbox, tmp_path):
-    from kit import TestHost
     from ddtree_ops.errors import InventoryError
     from ddtree_ops.inventory import load_inventory
+    from kit import TestHost
 
     th = TestHost("sbx1", sandbox, Path(sandbox.inventory_path))
     ps = three_files(tmp_path)
@@ -387,11 +384,9 @@ def test_remote_commands_quote_every_value(clean_host, tmp_path):
     import dataclasses
     import shlex
 
-    from ddtree_ops.deploy import read_host
-    from ddtree_ops.health import probe_unit
     from ddtree_ops.patchset import load_patchset
-    from ddtree_ops.release_store import ReleaseStore
-    from ddtree_ops.services import Services
+    from ddtree_ops.plan import read_host
+    from ddtree_ops.session import session_to
     from ddtree_ops.transport import HostConnection, connect, shell_join
 
     th = clean_host
@@ -414,19 +409,19 @@ def test_remote_commands_quote_every_value(clean_host, tmp_path):
 
     HostConnection.run_shell = recording
     try:
-        with connect(hostile) as conn:
-            facts = read_host(conn, hostile, load_patchset(str(three_files(tmp_path))))
-            Services(conn).state(hostile.unit)
-            probe_unit(conn, hostile.conflicts[0])
-            store = ReleaseStore(conn, hostile)
+        with session_to(hostile) as session:
+            facts = read_host(session, load_patchset(str(three_files(tmp_path))))
+            session.services.state(hostile.unit)
+            session.services.probe(hostile.conflicts[0])
+            store = session.store
             store.release_lock(store.acquire_lock("quoting test"))
             store.history()
     finally:
         HostConnection.run_shell = real
     assert set(facts["units"].values()) <= {"unknown", "inactive"}  # names arrived whole: unknown units
-    assert len(sent) >= 8
+    assert len(sent) >= 7  # facts, unit states (twice), probe, lock, unlock, history
     for cmd in sent:
-        # One quoted argv (a `sh -c SCRIPT sh ARGS...` included), or several joined by "; " (probe_unit).
+        # One quoted argv (a `sh -c SCRIPT sh ARGS...` included), or several joined by "; " (Services.probe).
         pieces = [cmd] if shell_join(shlex.split(cmd)) == cmd else cmd.split("; ")
         for piece in pieces:
             assert shell_join(shlex.split(piece)) == piece, f"not a quoted argv: {piece!r}"
@@ -632,7 +627,7 @@ def test_private_backups_restored_mode_and_owner_corrupted_backup_refused_no_sec
 def sshd_control(sandbox):
     """Stop every sshd process of a host (listener and sessions) and start a new listener in the
     host's namespaces; the new listeners are killed (by PID) at teardown."""
-    from ddtree_ops.sandbox import SSHD, _namespace_pids
+    from ddtree_ops.testing.sandbox import SSHD, _namespace_pids
 
     started: list[subprocess.Popen] = []
 

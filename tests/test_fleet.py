@@ -22,12 +22,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kit import (DFLASH_INFO, TestHost, make_patchset, run_cli, snapshot_paths, upstream_file,
-                      write_inventory)
 from ddtree_ops.errors import BundleError, InputError, InventoryError
-from ddtree_ops.fleet import (Target, batch_size, budget_exceeded, make_targets, parse_percent,
-                              plan_batches)
 from ddtree_ops.inventory import parse_inventory
+from ddtree_ops.rollout import batch_size, budget_exceeded, make_targets, parse_percent, plan_batches
+from kit import DFLASH_INFO, TestHost, make_patchset, run_cli, snapshot_paths, upstream_file, write_inventory
 
 PROBE = "sglang/srt/speculative/ddtree_probe.py"
 RELS = [PROBE, DFLASH_INFO]
@@ -202,7 +200,7 @@ def test_tampered_or_truncated_bundle_is_refused_before_any_connection(tmp_path)
     m["bundle.json"] = json.dumps(man).encode()
     _rewrite(t4, m)
     cases["id"] = t4
-    for name, path in cases.items():
+    for path in cases.values():
         with pytest.raises(BundleError):
             open_bundle(path)
 
@@ -411,7 +409,7 @@ def test_multinode_server_deploys_and_rolls_back_all_nodes_together(fleet, tmp_p
     addr0 = nodes[0].host.address
     for rank, th in enumerate(nodes):
         unit = th.read(th.host.unit_path).decode()
-        assert f"--nnodes 2" in unit and f"--node-rank {rank}" in unit and f"--dist-init-addr {addr0}:20000" in unit
+        assert "--nnodes 2" in unit and f"--node-rank {rank}" in unit and f"--dist-init-addr {addr0}:20000" in unit
         assert th.read(f"{th.host.site_packages}/{PROBE}") == b"PROBE = 'multinode'\n"
         assert th.unit_state(th.host.unit) == "active"
     for th in fleet[:2]:

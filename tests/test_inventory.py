@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from kit import REPO
 from ddtree_ops.errors import InputError, InventoryError
 from ddtree_ops.inventory import load_inventory, parse_inventory, with_overrides
+from ddtree_ops.redaction import SECRET_FLAGS
+from kit import REPO
 
 BASE = {"python": "/opt/v/bin/python", "site_packages": "/opt/v/lib/python3.12/site-packages",
         "model_path": "/models/m", "draft_model_path": "/models/d"}
@@ -126,3 +127,149 @@ def test_an_api_key_in_extra_args_is_refused_with_the_way_to_do_it():
     with pytest.raises(InventoryError, match="must not be in extra_args.*environment_file") as e:
         inv({"ct": {"address": "10.0.0.1", "extra_args": ["--api-key=sk-123"]}})
     assert e.value.field == "extra_args"
+
+
+# --------------------------------------------------------------------------- the schema, table-driven
+
+# (YAML of host h1's vars, or of a group's vars with h1 in the group, host, field, fragment of the message)
+VALIDATION = [
+    ("h1: {address: '10.0.0.1', ssh_port: 0}", "h1", "ssh_port", "must be an integer 1..65535, got 0"),
+    ("h1: {address: '10.0.0.1', ssh_port: yes}", "h1", "ssh_port", "must be an integer 1..65535, got True"),
+    ("h1: {address: '10.0.0.1', ssh_user: Root}", "h1", "ssh_user", "must be a POSIX user name ([a-z_]"),
+    ("h1: {address: '10.0.0.1', identity_file: id_ed25519}", "h1", "identity_file", "must be an absolute path"),
+    ("h1: {address: '10.0.0.1', known_hosts: null}", "h1", "known_hosts", "is required: an absolute path"),
+    ("h1: {address: '10.0.0.1', connect_timeout: 0}", "h1", "connect_timeout", "must be a number 0.5..300, got 0"),
+    ("h1: {address: '10.0.0.1', connect_timeout: '5'}", "h1", "connect_timeout", "must be a number 0.5..300, got '5'"),
+    ("h1: {address: '10.0.0.1', site_packages: null}", "h1", "site_packages", "is required: an absolute path"),
+    ("h1: {address: '10.0.0.1', state_dir: /etc}", "h1", "state_dir", "/etc is a system directory"),
+    ("h1: {address: '10.0.0.1', state_dir: /var/lib//x}", "h1", "state_dir", "must be normalised"),
+    ("h1: {address: '10.0.0.1', conflicts: sglang-k26-ddtree.service}", "h1", "conflicts",
+     "cannot conflict with itself"),
+    ("h1: {address: '10.0.0.1', conflicts: {a: 1}}", "h1", "conflicts", "must be a list of unit names"),
+    ("h1: {address: '10.0.0.1', listen_host: localhost}", "h1", "listen_host", "must be an IP address such as"),
+    ("h1: {address: '10.0.0.1', base_url: 'ftp://x'}", "h1", "base_url", "must be an http(s) URL"),
+    ("h1: {address: '10.0.0.1', model_path: null}", "h1", "model_path", "is required: a model directory or a model id"),
+    ("h1: {address: '10.0.0.1', draft_model_path: a/../b}", "h1", "draft_model_path", "no '..' components"),
+    ("h1: {address: '10.0.0.1', tp: 1025}", "h1", "tp", "must be an integer 1..1024, got 1025"),
+    ("h1: {address: '10.0.0.1', budget: 8, topk_cap: 9}", "h1", "topk_cap", "must be an integer 1..budget (8), got 9"),
+    ("h1: {address: '10.0.0.1', budget: 1.5}", "h1", "budget", "must be an integer 1..1024, got 1.5"),
+    ("h1: {address: '10.0.0.1', extra_args: [[1]]}", "h1", "extra_args", "each argument must be a string or number"),
+    ("h1: {address: '10.0.0.1', environment: [A]}", "h1", "environment", "must be a mapping NAME: value"),
+    ("h1: {address: '10.0.0.1', environment: {1A: x}}", "h1", "environment", "variable name '1A' is not valid"),
+    ("h1: {address: '10.0.0.1', environment: {A: '50%'}}", "h1", "environment", "must not contain"),
+    ("h1: {address: '10.0.0.1', service_user: null}", "h1", "service_user", "must be a POSIX user name"),
+    ("h1: {address: '10.0.0.1', template: unit.tmpl}", "h1", "template", "ending in .j2"),
+    ("h1: {address: '10.0.0.1', keep_releases: 0}", "h1", "keep_releases", "must be an integer 1..100, got 0"),
+    ("h1: {address: '10.0.0.1', min_free_mb: -1}", "h1", "min_free_mb", "must be an integer 0..10000000, got -1"),
+    ("h1: {address: '10.0.0.1', api_key_env: 1KEY}", "h1", "api_key_env",
+     "the environment variable that holds the API key"),
+    ("h1: {address: '10.0.0.1', environment_file: keys.env}", "h1", "environment_file", "must be an absolute path"),
+    ("h1: {address: '10.0.0.1', health: 5}", "h1", "health", "must be a mapping of consecutive_successes"),
+    ("h1: {address: '10.0.0.1', health: {bogus: 1}}", "h1", "health.bogus",
+     "unknown key; allowed: consecutive_successes"),
+    ("h1: {address: '10.0.0.1', health: {load_deadline_s: 0}}", "h1", "health.load_deadline_s",
+     "must be a number 1..86400, got 0"),
+    ("h1: {address: '10.0.0.1', health: {consecutive_successes: 2.0}}", "h1", "health.consecutive_successes",
+     "must be an integer 1..100, got 2.0"),
+    ("h1: {address: '10.0.0.1', health: {generate_prompt: ''}}", "h1", "health.generate_prompt", "non-empty string"),
+    ("h1: {address: '10.0.0.1', health: {generate_max_new_tokens: 4097}}", "h1", "health.generate_max_new_tokens",
+     "must be an integer 1..4096, got 4097"),
+    ("h1: {address: '10.0.0.1', health: {min_accept_length: -1}}", "h1", "health.min_accept_length",
+     "must be a number 0..1025, got -1"),
+    ("h1: {}", "h1", "address", "is required: an IP address or DNS name"),
+    ("h1: {address: 7}", "h1", "address", "must be an IP address or DNS name, got 7"),
+    ("h1: {address: '10.0.0.1', budgett: 8}", "h1", "budgett", "unknown key in host vars; allowed: address,"),
+    # Group vars: the host that inherits the bad value is named.
+    ("GROUP {port: 0}", "h1", "port", "must be an integer 1..65535, got 0"),
+    ("GROUP {health: {poll_interval_s: 100}}", "h1", "health.poll_interval_s", "must be a number 0.05..60, got 100"),
+    ("GROUP {budgett: 8}", "h1", "budgett", "unknown key in group gpu vars"),
+]
+
+
+def _inventory_text(snippet: str) -> str:
+    head = ("all:\n  vars: {python: /opt/v/bin/python, site_packages: /opt/v/lib/site-packages, "
+            "model_path: /m, draft_model_path: /d}\n  children:\n    gpu:\n")
+    if snippet.startswith("GROUP "):
+        return head + f"      vars: {snippet[len('GROUP '):]}\n      hosts: {{h1: {{address: 10.0.0.1}}}}\n"
+    return head + f"      hosts:\n        {snippet}\n"
+
+
+@pytest.mark.parametrize("snippet, host, field, fragment", VALIDATION)
+def test_each_row_of_the_schema_is_enforced_with_file_host_field_and_what_is_allowed(tmp_path, snippet, host, field,
+                                                                                  fragment):
+    p = tmp_path / "inv.yaml"
+    p.write_text(_inventory_text(snippet))
+    with pytest.raises(InventoryError) as e:
+        load_inventory(p)
+    assert (e.value.file, e.value.host, e.value.field) == (str(p), host, field)
+    assert str(e.value).startswith(f"{p}: host '{host}': field '{field}': ")
+    assert fragment in e.value.problem
+
+
+def test_the_table_snippets_are_valid_once_the_bad_value_is_gone(tmp_path):
+    """The control for the table above: the surrounding inventory loads."""
+    p = tmp_path / "inv.yaml"
+    p.write_text(_inventory_text("h1: {address: '10.0.0.1', health: {min_accept_length: 2.5}}"))
+    h = load_inventory(p).host("h1")
+    assert h.health.min_accept_length == 2.5 and h.groups == ("gpu",)
+    p.write_text(_inventory_text("GROUP {port: 31000}"))
+    assert load_inventory(p).host("h1").base_url == "http://10.0.0.1:31000"
+
+
+def test_every_host_field_has_one_schema_row_and_every_row_a_host_field():
+    from dataclasses import fields as dc_fields
+
+    from ddtree_ops.inventory import HOST_FIELDS, Host
+
+    resolved_later = {"name", "groups", "source", "server", "node_rank", "nnodes", "dist_init_addr"}
+    rows = {f.attr or f.name for f in HOST_FIELDS if f.check is not None}
+    assert rows == {f.name for f in dc_fields(Host)} - resolved_later
+    assert len({f.name for f in HOST_FIELDS}) == len(HOST_FIELDS)
+
+
+def test_defaults_come_from_the_table():
+    from ddtree_ops.inventory import HOST_FIELDS
+
+    h = inv({"a": {"address": "10.0.0.1"}}).host("a")
+    for f in HOST_FIELDS:
+        if f.check is not None and f.required is None and not callable(f.default) and f.name not in (
+                "known_hosts", "health"):
+            got = getattr(h, f.attr or f.name)
+            assert got == (tuple(f.default) if isinstance(f.default, (list, tuple, dict)) else f.default), f.name
+
+
+def test_group_health_settings_merge_key_by_key():
+    i = inv({"a": {"address": "10.0.0.1", "health": {"poll_interval_s": 3}}},
+            {"health": {"poll_interval_s": 1, "consecutive_successes": 5}})
+    assert (i.host("a").health.poll_interval_s, i.host("a").health.consecutive_successes) == (3.0, 5)
+
+
+@pytest.mark.parametrize("flag", SECRET_FLAGS)
+@pytest.mark.parametrize("form", ["{flag}=s3cret", "{flag} s3cret"])
+def test_every_secret_flag_of_the_one_list_is_refused_in_extra_args(flag, form):
+    with pytest.raises(InventoryError) as e:
+        inv({"ct": {"address": "10.0.0.1", "extra_args": form.format(flag=flag)}})
+    assert e.value.field == "extra_args" and f"{flag} must not be in extra_args" in str(e.value)
+    assert "s3cret" not in str(e.value)
+
+
+def test_one_range_check_serves_inventory_command_line_and_render(monkeypatch):
+    """with_overrides, the render-time re-check and the inventory all go through schema.check_int."""
+    from dataclasses import replace
+
+    from ddtree_ops import schema
+    from ddtree_ops.units import render_unit
+
+    h = inv({"a": {"address": "10.0.0.1"}}).host("a")
+    calls = []
+    real = schema.check_int
+    monkeypatch.setattr(schema, "check_int", lambda v, lo, hi, **kw: calls.append((v, lo, hi)) or real(v, lo, hi, **kw))
+    inv({"b": {"address": "10.0.0.2", "budget": 33}})
+    assert (33, 1, 1024) in calls
+    calls.clear()
+    with_overrides(h, budget=77)
+    assert (77, 1, 1024) in calls
+    calls.clear()
+    with pytest.raises(InputError, match="field 'tp': must be an integer 1..1024, got 0"):
+        render_unit(replace(h, tp=0))
+    assert (0, 1, 1024) in calls

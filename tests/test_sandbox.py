@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
-from kit import run_cli
 from ddtree_ops.errors import HostKeyError
 from ddtree_ops.inventory import load_inventory
 from ddtree_ops.transport import connect
+from kit import run_cli
 
 DFLASH = "sglang-k26-dflash-cg.service"
 
@@ -69,7 +72,6 @@ def test_unknown_host_key_is_refused(fresh_host, tmp_path):
 def test_changed_host_key_is_refused_even_with_accept_new(fresh_host, tmp_path):
     other = tmp_path / "known_hosts"
     # A different, valid ed25519 key recorded for this address: the host "changed" its key.
-    import subprocess
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "k")], check=True)
     pub = (tmp_path / "k.pub").read_text().split()
     other.write_text(f"{fresh_host.host.address} {pub[0]} {pub[1]}\n")
@@ -113,8 +115,9 @@ def test_readiness_timeline_is_refused_then_503_then_200(fresh_host, tmp_path):
     # A slow "weight load" so the three phases can be observed by polling.
     th = fresh_host.with_vars(tmp_path, extra_args=["--standin-load-seconds=2", "--standin-warmup-seconds=1.5"])
     h = th.host
-    from ddtree_ops.units import render_unit
     from dataclasses import replace
+
+    from ddtree_ops.units import render_unit
     unit = render_unit(replace(h, template="sglang-dflash.service.j2"))
     th.ssh(["sh", "-c", f"cat > /etc/systemd/system/{DFLASH}"], stdin=unit)
     th.ssh(["systemctl", "restart", DFLASH])
@@ -150,9 +153,10 @@ def _mounts_mentioning(text: str) -> list[str]:
         return [line for line in fh if text in line]
 
 
+@pytest.mark.sandbox  # starts its own test hosts
 def test_down_leaves_no_process_namespace_or_mount(tmp_path):
     from ddtree_ops.localproc import pid_alive
-    from ddtree_ops.sandbox import Sandbox, _namespace_pids
+    from ddtree_ops.testing.sandbox import Sandbox, _namespace_pids
 
     sb = Sandbox(tmp_path / "own")
     try:
@@ -180,9 +184,10 @@ def test_down_leaves_no_process_namespace_or_mount(tmp_path):
     assert not (tmp_path / "own").exists()
 
 
+@pytest.mark.sandbox  # starts its own test hosts
 def test_up_again_replaces_the_previous_hosts_cleanly(tmp_path):
     from ddtree_ops.localproc import pid_alive
-    from ddtree_ops.sandbox import Sandbox
+    from ddtree_ops.testing.sandbox import Sandbox
 
     sb = Sandbox(tmp_path / "again")
     try:
@@ -198,15 +203,123 @@ def test_up_again_replaces_the_previous_hosts_cleanly(tmp_path):
 
 
 def test_up_without_prerequisites_names_them_and_creates_nothing(tmp_path, monkeypatch):
-    from ddtree_ops import sandbox as sbmod
-    from ddtree_ops.errors import SandboxError
+    from ddtree_ops.errors import DdtreeOpsError
+    from ddtree_ops.testing.sandbox import Sandbox, SandboxError, prerequisites
 
-    monkeypatch.setattr(sbmod.os, "geteuid", lambda: 1000)
-    monkeypatch.setattr(sbmod, "SSHD", str(tmp_path / "no-sshd"))
+    monkeypatch.setattr(prerequisites.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(prerequisites, "SSHD", str(tmp_path / "no-sshd"))
     target = tmp_path / "never"
     with pytest.raises(SandboxError) as e:
-        sbmod.Sandbox(target).up(2)
+        Sandbox(target).up(2)
     msg = str(e.value)
     assert "root privileges" in msg and "openssh-server" in msg and str(tmp_path / "no-sshd") in msg
     assert not target.exists()
-    assert e.value.exit_code == 2
+    assert isinstance(e.value, DdtreeOpsError) and e.value.exit_code == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# the rig's pieces, without hosts (no root needed)
+
+
+def test_boot_script_is_package_data_and_valid_sh(tmp_path):
+    from importlib import resources
+
+    from ddtree_ops.testing.sandbox import boot
+
+    shipped = resources.files("ddtree_ops.testing.sandbox").joinpath("boot.sh")
+    assert shipped.is_file()
+    text = boot.boot_script()
+    assert text == shipped.read_text()
+    # A real script: parameters come as arguments, nothing is left to fill in by Python.
+    assert "{" not in text.replace("${", "")
+    assert 'exec "$SSHD" -D -e -f /run/ddtree-sandbox/sshd_config' in text
+    script = tmp_path / "boot.sh"
+    script.write_text(text)
+    r = subprocess.run(["/bin/sh", "-n", str(script)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def _no_extra_cli(*args: str, cwd) -> subprocess.CompletedProcess:
+    """`ddtree-ops ARGS` in a subprocess where the `sandbox` extra's distribution is not installed."""
+    code = (
+        "import importlib.metadata as m, sys\n"
+        "real = m.distribution\n"
+        "def fake(name):\n"
+        "    if name == 'docker-systemctl-replacement':\n"
+        "        raise m.PackageNotFoundError(name)\n"
+        "    return real(name)\n"
+        "m.distribution = fake\n"
+        "sys.argv[0] = 'ddtree-ops'\n"
+        "from ddtree_ops.cli import main\n"
+        "main()\n"
+    )
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=cwd,
+                          stdin=subprocess.DEVNULL, timeout=60)
+
+
+def test_sandbox_commands_without_the_extra_say_how_to_get_it(tmp_path):
+    from ddtree_ops.testing import sandbox_extra_installed
+
+    assert sandbox_extra_installed()  # this environment has it: the real commands are there
+    real = run_cli("sandbox", "up", "--help")
+    assert real.code == 0 and "--hosts" in real.stdout and "--multinode" in real.stdout
+    for args in (["up", "--hosts", "3", "--dir", str(tmp_path / "sb"), "--json"], ["status"],
+                 ["down", "--dir", str(tmp_path / "sb")]):
+        r = _no_extra_cli("sandbox", *args, cwd=tmp_path)
+        assert r.returncode == 2, (args, r.stdout, r.stderr)
+        assert r.stdout == ""
+        lines = r.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ")
+        assert "pip install 'ddtree-ops[sandbox]'" in lines[0] and "pip install -e '.[sandbox]'" in lines[0]
+    assert not (tmp_path / "sb").exists()
+
+
+def test_wheel_cache_location(tmp_path):
+    from ddtree_ops.testing.sandbox.wheelcache import cache_dir
+
+    rel = "ddtree_ops/testing/sandbox/wheelcache.py"
+    checkout, site = tmp_path / "checkout", tmp_path / "site-packages"
+    for root in (checkout, site):
+        (root / rel).parent.mkdir(parents=True)
+        (root / rel).write_text("")
+    (checkout / "pyproject.toml").write_text("[project]\nname = 'ddtree-ops'\n")
+    home = tmp_path / "home"
+    assert cache_dir({"HOME": str(home)}, checkout / rel) == checkout / ".cache"
+    assert cache_dir({"HOME": str(home)}, site / rel) == home / ".cache" / "ddtree-ops"
+    assert cache_dir({"HOME": str(home), "XDG_CACHE_HOME": str(tmp_path / "xdg")}, site / rel) == \
+        tmp_path / "xdg" / "ddtree-ops"
+    assert cache_dir({"HOME": str(home), "DDTREE_OPS_CACHE": str(tmp_path / "c")}, checkout / rel) == tmp_path / "c"
+    # this checkout: the cache beside pyproject.toml, as before the split
+    import ddtree_ops.testing.sandbox.wheelcache as wc
+
+    assert cache_dir({}, wc.__file__) == Path(__file__).resolve().parents[1] / ".cache"
+
+
+def test_inventory_runs_the_standin_and_groups_a_multinode_server(tmp_path):
+    import importlib.util
+
+    import yaml
+
+    from ddtree_ops.testing.sandbox import SandboxHost, inventory_doc
+
+    hosts = [SandboxHost(name=f"sbx{i}", subnet=100 + i, netns=f"n{i}", veth=f"v{i}", dir=str(tmp_path / str(i)))
+             for i in (1, 2, 3)]
+    doc = inventory_doc(hosts, client_key=tmp_path / "id", known_hosts=tmp_path / "kh", load_seconds=0.3,
+                        multinode=2)
+    assert doc["all"]["vars"]["launch_module"] == "ddtree_ops.testing.standin"
+    assert importlib.util.find_spec(doc["all"]["vars"]["launch_module"] + ".__main__") is not None
+    p = tmp_path / "inventory.yaml"
+    p.write_text(yaml.safe_dump(doc))
+    inv = load_inventory(p)
+    assert inv.hosts["sbx1"].address == "10.200.101.2" and inv.hosts["sbx3"].address == "10.200.103.2"
+    assert list(doc["all"]["children"]["server1"]["hosts"]) == ["sbx2", "sbx3"]
+    assert [inv.hosts[n].node_rank for n in ("sbx2", "sbx3")] == [0, 1]
+
+
+def test_a_state_file_from_before_the_split_still_loads(tmp_path):
+    from ddtree_ops.testing.sandbox import SandboxHost
+
+    old = {"name": "sbx1", "index": 1, "subnet": 7, "netns": "ddt-abcd-1", "veth": "ddtabcdh1", "dir": "/x",
+           "sshd_pid": 12, "init_pid": 13}
+    h = SandboxHost.from_dict(old)
+    assert (h.name, h.subnet, h.sshd_pid, h.init_pid, h.address) == ("sbx1", 7, 12, 13, "10.200.7.2")

@@ -18,6 +18,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+# The test rig's own tests: each starts stand-in server processes.
+pytestmark = pytest.mark.sandbox
+
 # A fake payload implementing the agreed API (tree of the B best prefixes with a per-depth
 # cap, retrieve arrays, and the walk of tree_speculative_sampling_target_only).
 FAKE_DDTREE_UTILS = textwrap.dedent('''
@@ -174,7 +177,7 @@ def spawn(tmp_path):
         e["PYTHONPATH"] = os.pathsep.join([str(sp), str(REPO)])
         e.update(env or {})
         log = tmp_path / f"server{len(procs)}.log"
-        cmd = [sys.executable, "-m", "ddtree_ops.standin_server", "--host", "127.0.0.1",
+        cmd = [sys.executable, "-m", "ddtree_ops.testing.standin", "--host", "127.0.0.1",
                "--port", str(port), "--model-path", "/models/toy",
                "--standin-load-seconds", str(load), "--standin-warmup-seconds", str(warmup), *flags]
         with open(log, "wb") as fh:
@@ -261,7 +264,7 @@ def test_never_listen_and_warmup_never_completes(spawn):
 
 
 def test_unknown_flags_are_recorded():
-    from ddtree_ops.standin_server import build_parser, record_unknown
+    from ddtree_ops.testing.standin import build_parser, record_unknown
 
     args, unknown = build_parser().parse_known_args([
         "--tp", "8", "--trust-remote-code", "--mem-fraction-static=0.88", "--context-length",
@@ -270,6 +273,17 @@ def test_unknown_flags_are_recorded():
     assert record_unknown(unknown) == {"trust_remote_code": True, "mem_fraction_static": "0.88",
                                        "context_length": "4096", "offset": "-1",
                                        "enable_metrics": True}
+
+
+def test_recorded_flags_are_masked_with_the_projects_secret_list():
+    from ddtree_ops.redaction import MASK
+    from ddtree_ops.testing.standin import masked, record_unknown
+
+    extra = record_unknown(["--hf-token", "t0k", "--admin-api-key=k3y", "--db-password", "pw", "--some-secret",
+                            "--mem-fraction-static=0.88", "--trust-remote-code"])
+    assert masked(extra) == {"hf_token": MASK, "admin_api_key": MASK, "db_password": MASK,
+                             "some_secret": True,  # a bare switch hides nothing
+                             "mem_fraction_static": "0.88", "trust_remote_code": True}
 
 
 def test_health_flaps_after_ready(spawn):
@@ -291,6 +305,7 @@ def test_server_info_reports_args_and_accept_length(spawn):
               "--speculative-draft-model-path", "/models/draft",
               "--speculative-ddtree-budget", "24", "--speculative-ddtree-topk-cap=6",
               "--trust-remote-code", "--mem-fraction-static=0.88", "--cuda-graph-max-bs", "8",
+              "--hf-token", "hf-s3cret", "--db-password=pw-s3cret",
               env={"DDTREE_STANDIN_LOAD_SECONDS": "0.05"}, load=30)
     s.wait_status("/health", 200, timeout=10)  # the env override beats --standin-load-seconds 30
     code, info = s.get("/server_info")
@@ -300,6 +315,10 @@ def test_server_info_reports_args_and_accept_length(spawn):
     assert info["speculative_algorithm"] == "DFLASH" and info["tp_size"] == 8
     assert info["version"] == "0.5.23" and info["standin"] is True
     assert info["trust_remote_code"] is True and info["mem_fraction_static"] == "0.88"
+    # secret-named flags the stand-in does not model: masked in /server_info and in the log
+    assert info["hf_token"] == "***" and info["db_password"] == "***"
+    assert info["standin_extra_args"]["hf_token"] == "***"
+    assert "s3cret" not in json.dumps(info) and "s3cret" not in s.log
     assert "avg_spec_accept_length" not in info["internal_states"][0]
     code, out = s.post("/generate", {"text": "hello there", "sampling_params": {
         "temperature": 0.8, "top_p": 0.9, "top_k": 20, "max_new_tokens": 12}})
@@ -382,7 +401,7 @@ def test_generate_exercises_ddtree_payload(spawn, tmp_path):
 
 def _real_sglang_tree() -> Path:
     """The real 0.5.23 files, downloaded (pip, once) and extracted into the cache if needed."""
-    from ddtree_ops.sandbox import sglang_site_tree
+    from ddtree_ops.testing.sandbox import sglang_site_tree
 
     return sglang_site_tree() / "sglang"
 

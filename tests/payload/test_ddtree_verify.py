@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from test_e2e_tiny_model import V, Tiny, ar_greedy, causal_logits, draft_logits
+from test_e2e_tiny_model import Tiny, V, ar_greedy, causal_logits, draft_logits
 
 
 @pytest.fixture(scope="module")

@@ -128,7 +128,7 @@ def ddtree_generate(du, model, drafter, prompts, n_new, budget, cap, L, sampling
     gen = torch.Generator().manual_seed(seed)
     steps = 0
     accepted = 0
-    while min(len(s) - st for s, st in zip(seqs, start)) < n_new:
+    while min(len(s) - st for s, st in zip(seqs, start, strict=False)) < n_new:
         dl = draft_logits(drafter, seqs, L)
         lp = torch.log_softmax(dl.float(), -1)
         tree = du.build_ddtree_tree(lp, budget, cap)
@@ -149,7 +149,7 @@ def ddtree_generate(du, model, drafter, prompts, n_new, budget, cap, L, sampling
             seqs[b].extend(toks[b, : int(cnt[b])].tolist())
         accepted += int((cnt - 1).sum())
         steps += 1
-    return [s[st : st + n_new] for s, st in zip(seqs, start)], steps, accepted
+    return [s[st : st + n_new] for s, st in zip(seqs, start, strict=False)], steps, accepted
 
 
 @pytest.fixture(scope="module")

@@ -567,6 +567,7 @@ def test_no_gpu_means_not_run(gsc, tmp_path, monkeypatch):
     assert set(doc["meta"]["commands"]) == {f"llama/{m}" for m in gsc.MODES}
 
 
+@pytest.mark.sandbox  # starts and stops a server process group
 def test_server_stop_is_bounded_and_by_group(gsc, tmp_path):
     port = gsc.free_port()
     script = tmp_path / "sleepy.py"

@@ -41,6 +41,7 @@ import subprocess
 import sys
 
 import pytest
+
 from sglang_env import run_sglang
 
 pytestmark = pytest.mark.sglang

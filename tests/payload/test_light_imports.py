@@ -4,7 +4,6 @@ server imports them without SGLang's third-party dependencies)."""
 
 from __future__ import annotations
 
-import pathlib
 import subprocess
 import sys
 import textwrap

@@ -12,10 +12,10 @@ import json
 import shlex
 
 import pytest
-from sglang_env import REPO, run_sglang
 
 from ddtree_ops import units
 from ddtree_ops.inventory import load_inventory
+from sglang_env import REPO, run_sglang
 
 pytestmark = pytest.mark.sglang
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+
 from sglang_env import run_sglang
 
 pytestmark = pytest.mark.sglang

@@ -157,7 +157,7 @@ def test_retrieve_encoding_properties(du):
                     kids.append(c)
                     c = ns[c]
                 # sibling order: descending score, parent < child, parent matches
-                for a, z in zip(kids, kids[1:]):
+                for a, z in zip(kids, kids[1:], strict=False):
                     assert sc[a] > sc[z] or (sc[a] == sc[z] and a < z)
                 for c in kids:
                     assert u < c and par[c] == u
@@ -216,7 +216,7 @@ def rule_tree(top_vals: torch.Tensor, top_ids: torch.Tensor, budget: int, k: int
         sc = (prev.unsqueeze(1) + vals[d].unsqueeze(0)).reshape(-1)  # float32
         items = [
             (s, p, j)
-            for (p, j), s in zip(itertools.product(range(prev.numel()), range(k)), sc.tolist())
+            for (p, j), s in zip(itertools.product(range(prev.numel()), range(k)), sc.tolist(), strict=False)
             if not math.isnan(s) and s != float("-inf")
         ]
         items.sort(key=lambda x: (-x[0], x[1], x[2]))  # parent level index = parent order
@@ -307,7 +307,8 @@ def test_builder_ties_follow_documented_rule(du, seed):
         assert all(par[i] < i for i in range(1, budget + 1) if par[i] >= 0)
 
 
-@pytest.mark.parametrize("budget,k,depth", [(12, 3, 2), (10, 3, 2), (64, 8, 3), (100, 10, 3), (64, 64, 2), (128, 16, 4)])
+@pytest.mark.parametrize("budget,k,depth", [(12, 3, 2), (10, 3, 2), (64, 8, 3), (100, 10, 3), (64, 64, 2),
+                                            (128, 16, 4)])
 def test_builder_uniform_ties_at_the_pruning_edge(du, budget, k, depth):
     # uniform log-probs: every prefix of one depth ties, so the (i+1)(j+1) =
     # budget edge is decided by the tie rule alone
@@ -317,7 +318,8 @@ def test_builder_uniform_ties_at_the_pruning_edge(du, budget, k, depth):
     _assert_tree_equals(tree, 0, rule_tree(v[0], ids[0], budget, k))
 
 
-@pytest.mark.parametrize("budget,istar,depth", [(12, 1, 2), (64, 3, 2), (64, 0, 2), (61, 4, 3), (122, 7, 4), (30, 2, 5), (128, 1, 2)])
+@pytest.mark.parametrize("budget,istar,depth", [(12, 1, 2), (64, 3, 2), (64, 0, 2), (61, 4, 3), (122, 7, 4),
+                                                (30, 2, 5), (128, 1, 2)])
 def test_builder_last_admissible_pair_is_selected(du, budget, istar, depth):
     # A chain down to depth-2, then istar+1 near-zero survivors, then children
     # j <= jstar of each: exactly `budget` near-zero prefixes, and the deepest
@@ -334,7 +336,7 @@ def test_builder_last_admissible_pair_is_selected(du, budget, istar, depth):
     ids = torch.arange(depth * k).view(1, depth, k)
     assert (istar + 1) * (jstar + 2) + depth - 2 == budget
     i_all, j_all = du.admissible_pairs(budget, k, depth)
-    last = [(i, j) for i, j in zip(i_all.tolist(), j_all.tolist()) if i == istar]
+    last = [(i, j) for i, j in zip(i_all.tolist(), j_all.tolist(), strict=False) if i == istar]
     assert last[-1] == (istar, jstar)  # the edge pair is the last one scored for istar
     tree = du.build_ddtree_tree((v, ids), budget, None)
     _assert_tree_equals(tree, 0, rule_tree(v[0], ids[0], budget, k))
@@ -419,7 +421,7 @@ def test_builder_has_no_host_sync(du, monkeypatch):
     monkeypatch.setattr(torch, "nonzero", boom)
     got = du.build_ddtree_tree(lp, 64, None, root_tokens=torch.arange(4))
     monkeypatch.undo()
-    for a, b in zip(got, expected):
+    for a, b in zip(got, expected, strict=False):
         assert torch.equal(a, b)
 
 
@@ -448,7 +450,7 @@ def test_builder_cuda_graph_and_sync_free(du):
     torch.cuda.current_stream().wait_stream(stream)
     graph.replay()
     torch.cuda.synchronize()
-    for a, b, c in zip(ref, out, captured):
+    for a, b, c in zip(ref, out, captured, strict=False):
         assert torch.equal(a, b.cpu()) and torch.equal(a, c.cpu())
 
 
@@ -482,7 +484,7 @@ def _retrieve_brute_force(parents, scores):
         kids = sorted((c for c in range(n) if c != 0 and parents[c] == p), key=lambda c: (-scores[c], c))
         if kids:
             first[p] = kids[0]
-        for a, z in zip(kids, kids[1:]):
+        for a, z in zip(kids, kids[1:], strict=False):
             nxt[a] = z
     return first, nxt
 

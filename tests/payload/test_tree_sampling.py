@@ -63,7 +63,7 @@ def loop_sampler(cand, ri, nt, ns, coins, final_coins, tp, dp, S, th_single=1.0,
         q = tp64[b, cur].tolist()
         if num != S - 1:
             d = dp[b, cur].double().tolist()
-            q = [max(x - y, 0.0) for x, y in zip(q, d)]
+            q = [max(x - y, 0.0) for x, y in zip(q, d, strict=False)]
         total = float(torch.tensor(q, dtype=torch.float64).sum())
         u = final_coins[b] * total
         cum = 0.0
@@ -92,7 +92,7 @@ def _outputs(bs, n, S):
 
 
 def test_published_kernel_vector(du):
-    B, N, S, V = 2, 6, 4, 20
+    B, N, _S, V = 2, 6, 4, 20
     cand = torch.tensor([[0, 1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12]])
     ri = torch.arange(12).view(2, 6)
     nt = torch.tensor([[1, 2, -1, 4, 5, -1], [4, 2, 3, -1, 5, -1]])
@@ -182,7 +182,7 @@ def test_greedy_verify_equals_onehot_sampling(du, seed):
         *out, tokens, enc.retrive_index, enc.retrive_next_token, enc.retrive_next_sibling,
         coins, final, onehot, torch.zeros_like(onehot),
     )
-    for a, b_ in zip(greedy, out):
+    for a, b_ in zip(greedy, out, strict=False):
         assert torch.equal(a, b_)
     # and greedy really follows the argmax
     toks, cnt = du.gather_committed(*greedy)

@@ -46,6 +46,7 @@ import inspect
 import pathlib
 
 import pytest
+
 from sglang_env import run_sglang
 
 pytestmark = pytest.mark.sglang

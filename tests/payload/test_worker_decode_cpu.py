@@ -37,6 +37,7 @@ import math
 import pathlib
 
 import pytest
+
 from sglang_env import run_sglang
 
 pytestmark = pytest.mark.sglang
@@ -89,7 +90,7 @@ def check_result(out: dict) -> None:
     assert len(res["next_token_ids"]) == bs * block
     rows = [res["next_token_ids"][b * block:(b + 1) * block] for b in range(bs)]
     assert rows == [o + [0] * (block - len(o)) for o in exp["out"]], "DFlash layout [bs, block]"
-    assert res["new_seq_lens"] == [p + n for p, n in zip(cfg["prefixes"], lens)]
+    assert res["new_seq_lens"] == [p + n for p, n in zip(cfg["prefixes"], lens, strict=False)]
     assert res["num_draft_tokens"] == block
     assert res["next_draft_type"] == "DFlashDraftInputV2"
     assert res["next_bonus"] == [o[-1] for o in exp["out"]]
@@ -137,8 +138,8 @@ def check_kv(out: dict) -> None:
     kv = out["kv"]
     bad = []
     for name in ("k", "v"):
-        for layer, (got, want) in enumerate(zip(kv[name], kv[name + "_expected"])):
-            bad += [(name, layer, s, g, w) for s, (g, w) in enumerate(zip(got, want)) if g != w]
+        for layer, (got, want) in enumerate(zip(kv[name], kv[name + "_expected"], strict=False)):
+            bad += [(name, layer, s, g, w) for s, (g, w) in enumerate(zip(got, want, strict=False)) if g != w]
     assert not bad, f"{len(bad)} KV rows differ, first: {bad[:4]}"
 
 

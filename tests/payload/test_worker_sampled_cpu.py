@@ -59,13 +59,14 @@ from collections import Counter
 
 import pytest
 from scipy.stats import chi2
-from sglang_env import run_sglang
 from test_worker_decode_cpu import (
     check_calls,
     check_draft_kv_append,
     check_kv,
     check_result,
 )
+
+from sglang_env import run_sglang
 
 pytestmark = pytest.mark.sglang
 

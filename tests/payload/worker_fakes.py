@@ -145,7 +145,7 @@ def draft_topk(bonus: int, prefix: int, block: int, k: int):
     for d in range(1, block):
         lp = torch.log_softmax(draft_hidden(bonus, prefix + d) @ w.T, dim=-1)
         vals, ids = torch.topk(lp, k)
-        out.append([(int(i), float(v)) for v, i in zip(vals, ids)])
+        out.append([(int(i), float(v)) for v, i in zip(vals, ids, strict=False)])
     return out
 
 
@@ -594,7 +594,7 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
     flat = allocator.alloc(sum(slots_needed))
     flat = flat[torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(5))]
     start = 0
-    for r, row, n in zip(reqs, rows, slots_needed):
+    for r, row, n in zip(reqs, rows, slots_needed, strict=False):
         req_pool.write((row, slice(0, n)), flat[start:start + n].to(torch.int32))
         start += n
         r.kv.kv_committed_len = n - reserve
@@ -827,7 +827,7 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
             "greedy_out": expect.get("greedy_out", expect["out"]), "walk_valid": walk_valid,
         },
         "slots": {
-            "rows": [req_to_token[row, :n].tolist() for row, n in zip(rows, slots_needed)],
+            "rows": [req_to_token[row, :n].tolist() for row, n in zip(rows, slots_needed, strict=False)],
             "allocated": flat.tolist(),
         },
         "kv": {"k": kv_k, "v": kv_v,

@@ -1,0 +1,372 @@
+"""The runbook of one host, as public phases.
+
+    lock → repair an interrupted deploy → preflight → backup and install → restart →
+    wait for weights and gate → commit;  on failure after the first change: roll back.
+
+Every phase that changes the host first records its step in the host's journal, so an
+interruption anywhere is repaired (rolled back) by the next deploy or rollback. `deploy.py` and
+`rollback.py` compose these phases for one host, `multinode.py` for the nodes of one server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .errors import InputError, RemoteCommandError, RollbackFailed, UnreachableError
+from .health import HealthFailure, health_gate, wait_until_serving
+from .patchset import PatchSet
+from .pause_points import agent_pause_request, pause
+from .plan import HostPlan, plan_host, target_path
+from .release_store import LockHolder, b64, new_release_id
+from .results import Reporter
+from .services import UnitState
+from .session import HostSession
+from .units import verify_command, verify_problems, verify_unit
+
+
+def quiet(host: str, msg: str) -> None:
+    pass
+
+
+RUNNING = ("active", "activating")
+
+
+@dataclass
+class DeployOptions:
+    force: bool = False
+    break_lock: bool = False
+    no_rollback: bool = False
+    command: str = "ddtree-ops deploy"
+    deadline_s: float | None = None
+    bundle_id: str | None = None
+    # A connection lost during a deploy: keep reconnecting this long to roll the host back.
+    reconnect_s: float = field(default_factory=lambda: float(os.environ.get("DDTREE_OPS_RECONNECT_S", "60")))
+    templates_dir: str | None = None  # a verified bundle's templates/ (default: the packaged ones)
+
+
+class StepFailed(Exception):
+    """A step of the runbook failed; the host may be half-changed and must be rolled back."""
+
+    def __init__(self, step: str, message: str, log: list[str] | None = None):
+        super().__init__(message)
+        self.step, self.log = step, log or []
+
+
+@dataclass
+class Release:
+    """A release being deployed on one host. `journal` is what the host's journal records while
+    it is in flight: enough to roll it back from anywhere, by this run or the next one."""
+
+    id: str
+    journal: dict[str, Any]
+    unit_bytes: bytes = b""
+    pid: int | None = None
+
+    @property
+    def previous(self) -> str | None:
+        return self.journal.get("previous")
+
+
+class Runbook:
+    """The phases of a deploy and a rollback on one connected host.
+
+    `health_checked=False` is a node of rank >= 1 of a multi-node server: it answers 200 on
+    /health whatever its state, so node 0's gate speaks for the server and this node is only
+    checked to be running.
+    """
+
+    def __init__(self, session: HostSession, report: Reporter = quiet, *, health_checked: bool = True):
+        self.session, self.report, self.health_checked = session, report, health_checked
+        self.host = session.host
+        self.store, self.services = session.store, session.services
+        self.steps: list[dict[str, Any]] = []
+
+    def step(self, name: str, detail: str = "") -> None:
+        self.steps.append({"step": name, "t": time.time(), "detail": detail})
+        self.report(self.host.name, f"{name}{': ' + detail if detail else ''}")
+
+    @property
+    def last_step(self) -> str:
+        return self.steps[-1]["step"] if self.steps else "?"
+
+    # -- lock ------------------------------------------------------------------------------------
+    def lock(self, opts: DeployOptions) -> LockHolder:
+        return self.store.acquire_lock(opts.command, break_lock=opts.break_lock)
+
+    def unlock(self, lock: LockHolder) -> None:
+        try:
+            self.store.release_lock(lock)
+        except Exception as e:  # the result matters more; a left lock is reported with its holder
+            self.report(self.host.name, f"warning: could not release the deploy lock: {e}")
+
+    # -- repair ----------------------------------------------------------------------------------
+    def repair_interrupted(self) -> str | None:
+        """A journal means a deploy was interrupted: roll its release back before anything else."""
+        journal = self.store.facts([]).get("journal")
+        if not journal:
+            return None
+        rid = journal["release"]
+        self.step("repair", f"found an interrupted deploy of {rid} (step {journal.get('step')!r}); rolling it back")
+        try:
+            self.roll_back(rid, journal, outcome=f"interrupted at {journal.get('step')}, rolled back")
+        except (StepFailed, RemoteCommandError, UnreachableError) as e:
+            raise RollbackFailed(f"{self.host.name}: repairing the interrupted deploy {rid} failed: {e}; "
+                                 f"a person must look") from None
+        return rid
+
+    # -- preflight -------------------------------------------------------------------------------
+    def preflight(self, ps: PatchSet, opts: DeployOptions, detail: str = "") -> HostPlan:
+        """The plan, with every refusal: the plan's own, the host's Python compiling the modules,
+        and `systemd-analyze verify` of the new unit. Changes nothing."""
+        self.step("preflight", detail)
+        plan = plan_host(self.session, ps, force=opts.force, templates_dir=opts.templates_dir)
+        refusals = [*plan.refusals, *self._compile_problems(ps), *self._unit_problems(plan.unit_new)]
+        return dataclasses.replace(plan, refusals=tuple(refusals))
+
+    def _compile_problems(self, ps: PatchSet) -> list[str]:
+        pyfiles = {target_path(self.host, pf.path): b64(pf.source.read_bytes()) for pf in ps.python_files()}
+        if not pyfiles:
+            return []
+        errors = self.store.call("compile", files=pyfiles)["errors"]
+        return [f"does not compile with {self.host.python}: {e}" for e in errors]
+
+    def _unit_problems(self, text: str) -> list[str]:
+        h = self.host
+        res = self.store.call("verify_unit", unit_name=h.unit, text=text,
+                              argv=verify_command("@PATH@/" + h.unit, h.unit)[:-1] + ["@PATH@"])
+        if res.get("available"):
+            problems = verify_problems(res["returncode"], res["stdout"], res["stderr"], h.unit)
+            return [f"unit {h.unit} fails systemd-analyze verify on the host: {p}" for p in problems]
+        try:  # the host has no systemd-analyze: check here, without the host's executables
+            verify_unit(text, h.unit, check_executables=False)
+        except InputError as e:
+            return [f"unit {h.unit} fails systemd-analyze verify (locally): {e}"]
+        return []
+
+    # -- the release -----------------------------------------------------------------------------
+    def services_before(self) -> dict[str, UnitState]:
+        return self.services.states((self.host.unit, *self.host.conflicts))
+
+    def is_running_as_planned(self, plan: HostPlan, before: dict[str, UnitState]) -> bool:
+        """Files and unit already as asked, and the unit serving: a deploy has nothing to do."""
+        return not plan.changes and before[self.host.unit].active == "active"
+
+    def begin(self, plan: HostPlan, ps: PatchSet, lock: LockHolder, before: dict[str, UnitState],
+              release_id: str | None = None, **journal: Any) -> Release:
+        """A new release (no change yet): its id and the journal that will record it."""
+        rid = release_id or new_release_id()
+        return Release(rid, {"release": rid, "previous": plan.current_release,
+                             "active_before": {u: s.active for u, s in before.items()},
+                             "enabled_before": {u: s.enabled for u, s in before.items()},
+                             "holder": lock.holder, "patchset": ps.label, **journal})
+
+    def _journal(self, release: Release, step: str) -> None:
+        release.journal["step"] = step
+        self.store.journal(**release.journal)
+        self.step(step)
+
+    def _guarded(self, step: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except (RemoteCommandError, UnreachableError) as e:
+            raise StepFailed(step, str(e)) from None
+
+    # -- backup and install ----------------------------------------------------------------------
+    def backup_and_install(self, ps: PatchSet, plan: HostPlan, release: Release, opts: DeployOptions) -> None:
+        """Record the release, back up every path it touches (read back), install the files and the
+        unit atomically, daemon-reload, stop and disable the conflicting units, enable ours."""
+        h, rid, j = self.host, release.id, release.journal
+        self.store.write_release(rid, id=rid, created=time.time(), patchset=ps.label,
+                                 patchset_digest=ps.digest(), bundle=opts.bundle_id, budget=h.budget,
+                                 topk_cap=h.topk_cap, previous=plan.current_release, outcome="in progress",
+                                 active_before=j["active_before"], enabled_before=j["enabled_before"],
+                                 by=j["holder"]["user"], command=opts.command)
+        self._journal(release, "backup")
+        pause("before-backup")
+        paths = [{"path": f.path, "kind": "file"} for f in plan.files] + [{"path": h.unit_path, "kind": "unit"}]
+        self._guarded("backup", lambda: self.store.call("backup", release_id=rid, paths=paths))
+        pause("after-backup")
+
+        self._journal(release, "install")
+        files = [{"path": f.path, "content_b64": b64(pf.source.read_bytes()), "sha256": pf.sha256, "mode": pf.mode}
+                 for f, pf in zip(plan.files, ps.files, strict=True)]
+        self._guarded("install", lambda: self.store.call("install", files=files, **agent_pause_request()))
+        release.unit_bytes = plan.unit_new.encode()
+        unit = {"path": h.unit_path, "content_b64": b64(release.unit_bytes),
+                "sha256": hashlib.sha256(release.unit_bytes).hexdigest(), "mode": 0o644}
+        self._guarded("install unit", lambda: self.store.call("install", files=[unit]))
+        pause("after-unit")
+        self._guarded("daemon-reload", self.services.daemon_reload)
+
+        self._journal(release, "stop conflicts")
+        for u in h.conflicts:
+            if j["active_before"].get(u) in RUNNING:
+                self._guarded(f"stop {u}", lambda u=u: self.services.stop(u))
+            if j["enabled_before"].get(u) == "enabled":
+                self._guarded(f"disable {u}", lambda u=u: self.services.disable(u))
+        if j["enabled_before"].get(h.unit) != "enabled":
+            self._guarded(f"enable {h.unit}", lambda: self.services.enable(h.unit))
+
+    # -- restart, wait and gate ------------------------------------------------------------------
+    def restart(self, release: Release) -> None:
+        self._journal(release, "restart")
+        self._guarded("restart", lambda: self.services.restart(self.host.unit))
+        release.pid = self.services.main_pid(self.host.unit)
+
+    def wait_and_gate(self, release: Release, deadline_s: float | None = None) -> None:
+        """Wait for the weights to load (/health 200, the process never replaced), then the gate."""
+        h = self.host
+        self._journal(release, "wait for weights")
+        pause("wait-for-weights")
+        last = [0.0]
+
+        def progress(elapsed: float, line: str) -> None:
+            if elapsed - last[0] >= 5 or elapsed < 0.01:
+                last[0] = elapsed
+                self.report(h.name, f"waiting {elapsed:5.1f} s: {line}")
+
+        phase = "wait for weights"
+        try:
+            took = wait_until_serving(self.session, h.unit, expected_pid=release.pid, deadline_s=deadline_s,
+                                      progress=progress)
+            self.step("serving", f"/health 200 after {took:.1f} s")
+            phase = "health gate"
+            gate = health_gate(self.session, h.unit, expected_pid=release.pid)
+            self.step("health gate", f"{gate.health_checks}x /health 200, /generate ok"
+                      + (f", accept length {gate.accept_length:.2f}" if gate.accept_length is not None else ""))
+        except HealthFailure as e:
+            raise StepFailed(phase, str(e), e.log) from None
+        except (RemoteCommandError, UnreachableError) as e:
+            raise StepFailed(phase, str(e)) from None
+
+    def check_running(self, release: Release, step: str = "node check") -> None:
+        """The unit is still active as the process that was started (a node without a gate)."""
+        h = self.host
+        p = self._guarded(step, lambda: self.services.probe(h.unit, lines=20))
+        if p.active != "active" or (release.pid and p.main_pid != release.pid):
+            raise StepFailed(step, f"{h.name} (rank {h.node_rank}): {h.unit} is {p.active}, MainPID {p.main_pid}",
+                             p.log)
+        self.step(step, f"{h.unit} active (rank {h.node_rank})")
+
+    # -- commit ----------------------------------------------------------------------------------
+    def commit(self, plan: HostPlan, release: Release) -> None:
+        """The release becomes current; older releases beyond keep_releases are pruned."""
+        h = self.host
+        self._journal(release, "commit")
+        pause("before-commit")
+        installed = {f.path: f.new_sha256 for f in plan.files}
+        installed[h.unit_path] = hashlib.sha256(release.unit_bytes).hexdigest()
+        # The last look: a server that died after the gate must not be committed.
+        p = self.services.probe(h.unit, lines=20)
+        if p.active != "active" or (release.pid and p.main_pid != release.pid):
+            raise StepFailed("commit", f"{h.unit} died after passing the health gate ({p.active}, "
+                                       f"MainPID {p.main_pid})", p.log)
+        self.store.write_release(release.id, outcome="deployed", installed=installed, deployed_at=time.time())
+        self.store.set_current(release.id)
+        self.store.clear_journal()
+        removed = self.store.prune(h.keep_releases)
+        self.step("committed", f"release {release.id}" + (f"; pruned {', '.join(removed)}" if removed else ""))
+
+    def leave_failed(self, release: Release, failed_step: str, error: str) -> None:
+        """--no-rollback: record the failure and leave the host as it is."""
+        self.store.journal(**{**release.journal, "step": "failed (--no-rollback)", "error": error})
+        self.store.write_release(release.id, outcome="failed, left in place (--no-rollback)",
+                                 failed_step=failed_step, error=error)
+
+    # -- rollback --------------------------------------------------------------------------------
+    def roll_back(self, rid: str, journal: dict[str, Any], *, outcome: str, failed_step: str | None = None,
+                  error: str | None = None) -> None:
+        """Undo release `rid`: its backup back in place, the services as they were before it."""
+        self.step("rollback", f"restoring the backup of {rid}")
+        done = self.store.call("remove_partial", release_id=rid)
+        if done["backup_complete"]:
+            self.restore_backup(rid)
+        self.services.daemon_reload()
+        # Failed or interrupted before "stop conflicts": no unit was stopped, restarted, enabled
+        # or disabled, so a server that is still running is left alone (no needless reload of
+        # the weights); it only has to pass the health gate.
+        untouched = journal.get("step") in ("backup", "install")
+        self.restore_services(journal.get("active_before") or {}, journal.get("enabled_before") or {},
+                              untouched=untouched)
+        fields: dict[str, Any] = {"outcome": outcome, "rolled_back_at": time.time()}
+        if failed_step:
+            fields.update(failed_step=failed_step, error=error)
+        self.store.write_release(rid, **fields)
+        self.store.set_current(journal.get("previous"))
+        self.store.clear_journal()
+        self.step("rolled back", f"host back on {journal.get('previous') or 'its pre-ddtree-ops state'}")
+
+    def roll_back_reconnecting(self, window_s: float, rid: str, journal: dict[str, Any], **kw: Any) -> None:
+        """`roll_back`, reconnecting for up to `window_s` seconds when the SSH connection is lost
+        (the rollback is idempotent, so it starts again from the beginning)."""
+        deadline = time.monotonic() + window_s
+        while True:
+            try:
+                return self.roll_back(rid, journal, **kw)
+            except UnreachableError as e:
+                if time.monotonic() >= deadline:
+                    raise
+                self.report(self.host.name, f"connection lost ({e}); reconnecting to roll back")
+            while True:
+                self.session.sleep(1.0)
+                try:
+                    self.session.reconnect()
+                    break
+                except UnreachableError as e:
+                    if time.monotonic() >= deadline:
+                        raise UnreachableError(f"{e} (kept retrying for {window_s:g} s)") from None
+
+    def restore_backup(self, rid: str) -> None:
+        """Files as release `rid` found them ('original': as before any release), byte for byte;
+        a corrupted backup restores nothing."""
+        res = self.store.call("restore", backup_dir=self.store.backup_dir(rid))
+        if res["refused"]:
+            what = "original backup" if rid == "original" else f"backup of {rid}"
+            raise StepFailed("restore", f"{what} is corrupted, refusing to restore it: " + "; ".join(res["problems"]))
+
+    def restore_services(self, active_before: dict[str, str], enabled_before: dict[str, str], *,
+                         untouched: bool = False) -> None:
+        """Units enabled and running as they were before the release; `untouched`: the deploy
+        stopped before it stopped anything, so what still runs is not restarted, only gated."""
+        h = self.host
+        was_active = [u for u, s in active_before.items() if s in RUNNING]
+        now = self.services.states((h.unit, *h.conflicts))
+        for u, e in enabled_before.items():
+            if e == "enabled" and now[u].enabled != "enabled":
+                self.services.enable(u)
+            elif e != "enabled" and now[u].enabled == "enabled":
+                self.services.disable(u)
+        # Stop what was not running before, first: the units conflict on the port.
+        for u in (h.unit, *h.conflicts):
+            if u not in was_active and now[u].active in (*RUNNING, "failed"):
+                self.services.stop(u)
+        for u in was_active:
+            pid = now[u].main_pid if untouched and now[u].active == "active" else None
+            self._bring_back(u, pid)
+
+    def _bring_back(self, unit: str, running_pid: int | None) -> None:
+        """Restart `unit` (unless it kept running as `running_pid`) and wait until it is healthy."""
+        pid = running_pid
+        if not pid:
+            self.services.restart(unit)
+            pid = self.services.main_pid(unit)
+        if not self.health_checked:  # a rank >= 1 node: running is all it can tell
+            p = self.services.probe(unit, lines=10)
+            if p.active not in RUNNING:
+                raise StepFailed("rollback health", f"{unit} is {p.active} after the rollback "
+                                                    f"(rank {self.host.node_rank})", p.log)
+            self.step("rollback: restarted", f"{unit} (rank {self.host.node_rank}; node 0 is health-checked)")
+            return
+        self.step("rollback: waiting", f"{unit} was never stopped (pid {pid}); not restarted" if running_pid
+                  else f"{unit} restarted (pid {pid})")
+        try:
+            took = wait_until_serving(self.session, unit, expected_pid=pid)
+            health_gate(self.session, unit, expected_pid=pid)
+        except HealthFailure as e:
+            raise StepFailed("rollback health", f"{unit} is not healthy after the rollback: {e}", e.log) from None
+        self.step("rollback: healthy", f"{unit} serving after {took:.1f} s")

@@ -1,0 +1,56 @@
+"""One host, connected: the noun the runbook talks to.
+
+A `HostSession` delegates to the three ways the tool touches a host: the release store (the
+remote agent: files, backups, lock, journal), the units (systemctl), and HTTP to the server
+(health, /generate). A fake host (ddtree_ops.testing.fake_host) offers the same attributes in
+memory, so the runbook's order of steps and its rollbacks are tested without hosts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Iterator
+
+import httpx
+
+from .health import http_client
+from .inventory import Host
+from .release_store import ReleaseStore, SSHAgent
+from .services import Services
+from .transport import HostConnection
+
+
+class HostSession:
+    def __init__(self, host: Host, conn: HostConnection):
+        self.host, self.conn = host, conn
+        self.store = ReleaseStore(SSHAgent(conn, host), host)
+        self.services = Services(conn)
+
+    def http(self) -> httpx.Client:
+        return http_client(self.host)
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    def reconnect(self) -> None:
+        """A fresh SSH connection in place of a lost one (same host-key checks)."""
+        self.conn.reconnect()
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def open_session(host: Host, *, accept_new_host_keys: bool = False) -> HostSession:
+    conn = HostConnection(host, accept_new_host_keys=accept_new_host_keys)
+    conn.open()
+    return HostSession(host, conn)
+
+
+@contextlib.contextmanager
+def session_to(host: Host, *, accept_new_host_keys: bool = False) -> Iterator[HostSession]:
+    session = open_session(host, accept_new_host_keys=accept_new_host_keys)
+    try:
+        yield session
+    finally:
+        session.close()

@@ -1,0 +1,319 @@
+"""A fake host for the fast test tier: the runbook runs against it in milliseconds.
+
+It offers what a `HostSession` offers (`store`, `services`, `http()`, `sleep`, `reconnect`):
+
+* the release store is the REAL remote agent (`ddtree_ops.remote_agent`), called in-process
+  instead of over SSH, with every host path mapped into a private folder standing for the host's
+  root. Backups, atomic installs, restores, the lock and the journal therefore behave exactly as
+  on a host; only `verify_unit` is answered here (no systemd-analyze run).
+* units and the server are in memory: `restart` starts a new process (a new MainPID) that loads
+  for `load_polls` probes and then serves, or crashes, or never becomes ready, as `boot` decides
+  from the files installed (by default: a module containing FAKE_CRASH crashes the server while
+  loading, FAKE_HANG keeps it warming up forever, as a real module that raises at import would).
+* HTTP to the server goes through an httpx.MockTransport: no listener while no unit runs,
+  503 while loading, then 200; `/generate` answers text; `/server_info` the accept length.
+
+Faults are injected by name: `fail_next["install"] = "disk full"` makes the next agent `install`
+fail as the host would report it; `fail_next["systemctl restart"]`, `drop_connection_at` likewise.
+`events` records every call in order, so a test reads the runbook's steps back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import httpx
+
+from ..errors import RemoteCommandError, UnreachableError
+from ..health import http_client
+from ..inventory import Host, parse_inventory
+from ..release_store import ReleaseStore, answer_result
+from ..remote_agent import OPS
+from ..services import UnitProbe, UnitState
+
+FAKE_CRASH = b"FAKE_CRASH"  # a shipped module with this marker kills the server while it loads
+FAKE_HANG = b"FAKE_HANG"  # ... keeps it warming up (503) forever
+SGLANG_VERSION = "0.5.23"
+SITE_PACKAGES = "/opt/venv_sglang/lib/python3.11/site-packages"
+DDTREE_UNIT = "sglang-k26-ddtree.service"
+DFLASH_UNIT = "sglang-k26-dflash-cg.service"
+# An upstream SGLang file the fake host has, for patch sets that `replace` one.
+UPSTREAM_REL = "sglang/srt/speculative/dflash_info.py"
+UPSTREAM_BYTES = b"# upstream sglang 0.5.23 dflash_info (fake)\n"
+
+
+def fake_inventory(n: int = 1, *, multinode: bool = False, **host_vars: Any) -> dict[str, Any]:
+    """An inventory document for `n` fake hosts fh1..fhN (one multi-node server with `multinode`)."""
+    base = {"address": "127.0.0.1", "known_hosts": "/nonexistent/known_hosts", "python": "/opt/venv_sglang/bin/python",
+            "site_packages": SITE_PACKAGES, "conflicts": [DFLASH_UNIT], "model_path": "/models/kimi",
+            "draft_model_path": "/models/draft", "budget": 16, "topk_cap": 4,
+            "health": {"poll_interval_s": 0.05, "consecutive_successes": 2, "load_deadline_s": 30}}
+    base.update(host_vars)
+    hosts = {f"fh{i + 1}": ({"node_rank": i} if multinode else {}) for i in range(n)}
+    if multinode:
+        return {"all": {"vars": base, "children": {"server1": {"vars": {"multinode": True}, "hosts": hosts}}}}
+    return {"all": {"vars": base, "hosts": hosts}}
+
+
+def fake_hosts(tmp: Path, n: int = 1, *, multinode: bool = False, **host_vars: Any) -> list[FakeHost]:
+    inv = parse_inventory(fake_inventory(n, multinode=multinode, **host_vars), "fake-inventory.yaml")
+    return [FakeHost(h, tmp / name) for name, h in inv.hosts.items()]
+
+
+@dataclass
+class FakeUnit:
+    active: str = "inactive"
+    enabled: str = "disabled"
+    pid: int | None = None
+    loading_polls: int = 0  # probes left until the process has loaded
+    fate: str = "serve"  # what happens when it has loaded: serve | crash | hang
+    ready: bool = False
+
+
+class FakeHost:
+    def __init__(self, host: Host, root: Path, *, load_polls: int = 2):
+        self.host, self.root, self.load_polls = host, root, load_polls
+        root.mkdir(parents=True, exist_ok=True)
+        self.events: list[str] = []
+        self.fail_next: dict[str, str] = {}
+        self.drop_connection_at: set[str] = set()
+        self.reconnects = 0
+        self.accept_lengths: dict[str, float] = {}  # per unit; 3.5 when not set
+        self.boot: Callable[[FakeHost, str], str] = _fate_from_installed_files
+        self._next_pid = 1000
+        self.units: dict[str, FakeUnit] = {u: FakeUnit() for u in (host.unit, *host.conflicts)}
+        self._install_upstream()
+
+    # -- the host as CT200 is before a DDTree deploy -------------------------------------------
+    def _install_upstream(self) -> None:
+        dist = f"{self.host.site_packages}/sglang-{SGLANG_VERSION}.dist-info/METADATA"
+        self.write(dist, f"Metadata-Version: 2.1\nName: sglang\nVersion: {SGLANG_VERSION}\n".encode())
+        self.write(f"{self.host.site_packages}/{UPSTREAM_REL}", UPSTREAM_BYTES)
+        for u in self.host.conflicts:  # the DFlash unit serves, enabled
+            self.write(f"/etc/systemd/system/{u}", b"[Service]\nExecStart=/bin/true\n")
+            self.units[u] = FakeUnit(enabled="enabled")
+            self._start(u)
+            self._finish_loading(u)
+
+    def path(self, host_path: str) -> Path:
+        return self.root / host_path.lstrip("/")
+
+    def write(self, host_path: str, data: bytes, mode: int = 0o644) -> None:
+        p = self.path(host_path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data)
+        p.chmod(mode)
+
+    def read(self, host_path: str) -> bytes | None:
+        p = self.path(host_path)
+        return p.read_bytes() if p.is_file() else None
+
+    def tree(self, *host_dirs: str) -> dict[str, bytes]:
+        """Every file under the given host folders, host path → bytes (state_dir excluded)."""
+        out = {}
+        for d in host_dirs:
+            base = self.path(d)
+            for p in sorted(base.rglob("*")) if base.exists() else []:
+                if p.is_file():
+                    out["/" + str(p.relative_to(self.root))] = p.read_bytes()
+        return out
+
+    def session(self) -> FakeSession:
+        return FakeSession(self)
+
+    # -- faults ----------------------------------------------------------------------------------
+    def _call(self, name: str) -> None:
+        self.events.append(name)
+        if name in self.drop_connection_at:
+            self.drop_connection_at.discard(name)
+            raise UnreachableError(f"{self.host.name}: connection lost while running a command (fake)")
+        if name in self.fail_next:
+            raise RemoteCommandError(f"{self.host.name}: {name} failed: {self.fail_next.pop(name)}")
+
+    # -- the remote agent, in-process, rooted in self.root ----------------------------------------
+    def agent(self, request: dict[str, Any]) -> dict[str, Any]:
+        op = request["op"]
+        self._call(f"agent {op}")
+        if op == "verify_unit":
+            return {"available": True, "returncode": 0, "stdout": "", "stderr": ""}
+        req = _map_paths(request, self._in)
+        answer = _run_agent_op(req)
+        if op == "facts" and answer.get("ok"):
+            res = answer["result"]
+            res["files"] = {self._out(p): dict(f, path=self._out(f["path"])) for p, f in res["files"].items()}
+            res["unit"] = dict(res["unit"], path=self._out(res["unit"]["path"]))
+        return answer_result(self.host.name, op, answer)
+
+    def _in(self, host_path: str) -> str:
+        return str(self.path(host_path))
+
+    def _out(self, local: str) -> str:
+        return "/" + os.path.relpath(local, self.root)
+
+    # -- units -----------------------------------------------------------------------------------
+    def _start(self, unit: str) -> None:
+        u = self.units.setdefault(unit, FakeUnit())
+        self._next_pid += 1
+        u.active, u.pid, u.ready = "active", self._next_pid, False
+        u.loading_polls = self.load_polls
+        u.fate = self.boot(self, unit)
+
+    def _finish_loading(self, unit: str) -> None:
+        u = self.units[unit]
+        u.loading_polls = 0
+        if u.fate == "crash":
+            u.active, u.pid, u.ready = "failed", None, False
+        elif u.fate == "serve":
+            u.ready = True
+
+    def tick(self) -> None:
+        """Time passes for every loading process (the health wait probes once per poll)."""
+        for name, u in self.units.items():
+            if u.active == "active" and not u.ready and u.loading_polls > 0:
+                u.loading_polls -= 1
+                if u.loading_polls == 0:
+                    self._finish_loading(name)
+
+    def serving_unit(self) -> str | None:
+        return next((n for n, u in self.units.items() if u.active == "active"), None)
+
+    # -- HTTP ------------------------------------------------------------------------------------
+    def handle_http(self, request: httpx.Request) -> httpx.Response:
+        self.events.append(f"http {request.method} {request.url.path}")
+        unit = self.serving_unit()
+        if unit is None:
+            raise httpx.ConnectError("connection refused (no server listening)", request=request)
+        ready = self.units[unit].ready
+        if request.url.path == "/health":
+            return httpx.Response(200 if ready else 503)
+        if request.url.path == "/generate" and request.method == "POST":
+            return httpx.Response(200, json={"text": " Paris."}) if ready else httpx.Response(503)
+        if request.url.path == "/server_info":
+            accept = self.accept_lengths.get(unit, 3.5)
+            return httpx.Response(200, json={"internal_states": [{"avg_spec_accept_length": accept}]})
+        return httpx.Response(404)
+
+
+def _fate_from_installed_files(fake: FakeHost, unit: str) -> str:
+    if fake.read(f"/etc/systemd/system/{unit}") is None:
+        return "crash"  # no such unit: systemctl cannot start it
+    if unit == fake.host.unit:
+        for data in fake.tree(fake.host.site_packages + "/sglang").values():
+            if FAKE_CRASH in data:
+                return "crash"
+            if FAKE_HANG in data:
+                return "hang"
+    return "serve"
+
+
+def _map_paths(req: dict[str, Any], f: Callable[[str], str]) -> dict[str, Any]:
+    """The agent request with every host path mapped into the fake host's root."""
+    out = dict(req)
+    for key in ("state_dir", "site_packages", "unit_path", "backup_dir"):
+        if key in out:
+            out[key] = f(out[key])
+    if "paths" in out:
+        out["paths"] = [dict(p, path=f(p["path"])) if isinstance(p, dict) else f(p) for p in out["paths"]]
+    if out.get("op") == "install":
+        out["files"] = [dict(x, path=f(x["path"])) for x in out["files"]]
+    return out
+
+
+def _run_agent_op(req: dict[str, Any]) -> dict[str, Any]:
+    """What `remote_agent.main` writes to stdout, as a value (JSON round trip included)."""
+    try:
+        result = {"ok": True, "result": OPS[req["op"]](req)}
+    except Exception as e:
+        result = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    return json.loads(json.dumps(result))
+
+
+class _FakeAgent:
+    def __init__(self, fake: FakeHost):
+        self.fake = fake
+
+    def call(self, request: dict[str, Any], timeout: float) -> dict[str, Any]:
+        return self.fake.agent(request)
+
+
+class FakeServices:
+    """`Services` over the fake host's units (same methods, same answers as systemctl's)."""
+
+    def __init__(self, fake: FakeHost):
+        self.fake = fake
+
+    def states(self, units) -> dict[str, UnitState]:
+        self.fake._call("systemctl states")
+        out = {}
+        for name in units:
+            u = self.fake.units.get(name)
+            out[name] = UnitState(name, u.active, u.enabled, u.pid) if u else UnitState(name, "inactive", "disabled",
+                                                                                         None)
+        return out
+
+    def state(self, unit: str) -> UnitState:
+        return self.states((unit,))[unit]
+
+    def main_pid(self, unit: str) -> int | None:
+        self.fake._call("systemctl show MainPID")
+        u = self.fake.units.get(unit)
+        return u.pid if u else None
+
+    def probe(self, unit: str, lines: int = 30) -> UnitProbe:
+        self.fake._call(f"probe {unit}")
+        self.fake.tick()
+        u = self.fake.units.get(unit) or FakeUnit()
+        log = [f"{unit}: pid {u.pid} {'ready' if u.ready else 'loading' if u.active == 'active' else u.active}"]
+        return UnitProbe(u.active, u.pid, log)
+
+    def daemon_reload(self) -> None:
+        self.fake._call("systemctl daemon-reload")
+
+    def stop(self, unit: str) -> None:
+        self.fake._call(f"systemctl stop {unit}")
+        u = self.fake.units.setdefault(unit, FakeUnit())
+        u.active, u.pid, u.ready = "inactive", None, False
+
+    def restart(self, unit: str) -> None:
+        self.fake._call(f"systemctl restart {unit}")
+        self.fake._start(unit)
+
+    def enable(self, unit: str) -> None:
+        self.fake._call(f"systemctl enable {unit}")
+        self.fake.units.setdefault(unit, FakeUnit()).enabled = "enabled"
+
+    def disable(self, unit: str) -> None:
+        self.fake._call(f"systemctl disable {unit}")
+        self.fake.units.setdefault(unit, FakeUnit()).enabled = "disabled"
+
+
+@dataclass
+class FakeSession:
+    """What `HostSession` offers, over a FakeHost."""
+
+    fake: FakeHost
+    host: Host = field(init=False)
+    store: ReleaseStore = field(init=False)
+    services: FakeServices = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.host = self.fake.host
+        self.store = ReleaseStore(_FakeAgent(self.fake), self.host)
+        self.services = FakeServices(self.fake)
+
+    def http(self) -> httpx.Client:
+        return http_client(self.host, transport=httpx.MockTransport(self.fake.handle_http))
+
+    def sleep(self, seconds: float) -> None:
+        self.fake.tick()
+
+    def reconnect(self) -> None:
+        self.fake.reconnects += 1
+        self.fake.events.append("reconnect")
+
+    def close(self) -> None:
+        pass

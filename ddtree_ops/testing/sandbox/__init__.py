@@ -1,0 +1,55 @@
+"""Local test hosts that behave like CT200, without a GPU.
+
+Each sandbox host is a network namespace (its own address, 10.200.K.2) plus a private mount
+namespace in which the production paths exist unchanged:
+
+    /etc/systemd/system   → DIR/hosts/NAME/etc-systemd-system   (units)
+    /var/log, /var/lib    → per-host folders (journal files, the ddtree-ops state dir)
+    /opt                  → per-host folder holding /opt/venv_sglang, a real venv whose
+                            site-packages has the real sglang 0.5.23 files and dist-info
+                            (an overlay: the cached wheel tree below, the host's changes above)
+    /run                  → a fresh tmpfs (sshd privsep dir, systemctl lock and status files)
+    /usr/lib/systemd/system → an empty tmpfs (the machine's own units stay invisible)
+    /usr/bin/systemctl, /usr/bin/journalctl → docker-systemctl-replacement wrappers
+
+In there run Debian's sshd (its own ed25519 host key; root login by a generated key only) and
+the systemctl replacement's init loop (so `Restart=` works). The host starts in the state
+before a DDTree deploy: upstream files only, the DFlash unit active, the DDTree unit file
+present at its old settings (budget 7, topk cap 1) and stopped. `down` ends every process in
+the host's namespaces by PID, deletes the namespaces and leaves no mount behind.
+
+Modules, by concern:
+
+    prerequisites  what the machine needs (root, iproute2, sshd, the systemctl replacement)
+    wheelcache     the real sglang 0.5.23 wheel, extracted once; where the cache lives
+    namespaces     network namespaces, subnets, the mounts around them
+    hostfiles      each host's files and the sandbox inventory
+    boot.sh/boot   the script that mounts a host's paths and becomes its sshd
+    processes      a host's processes: found by namespace, ended by PID, waited for
+    lifecycle      `Sandbox`: up, status, reset_host, down
+"""
+
+from __future__ import annotations
+
+from .errors import SandboxError
+from .hostfiles import inventory_doc, multinode_inventory
+from .layout import (
+    DDTREE_UNIT,
+    DFLASH_UNIT,
+    SERVER_PORT,
+    SGLANG_VERSION,
+    SITE_PACKAGES,
+    STANDIN_MODULE,
+    VENV_PATH,
+    SandboxHost,
+)
+from .lifecycle import Sandbox
+from .prerequisites import SSHD, missing_prerequisites
+from .processes import _kill_namespace_processes, _namespace_pids
+from .wheelcache import cache_dir, sglang_site_tree
+
+__all__ = [
+    "DDTREE_UNIT", "DFLASH_UNIT", "SERVER_PORT", "SGLANG_VERSION", "SITE_PACKAGES", "SSHD", "STANDIN_MODULE",
+    "VENV_PATH", "Sandbox", "SandboxError", "SandboxHost", "_kill_namespace_processes", "_namespace_pids",
+    "cache_dir", "inventory_doc", "missing_prerequisites", "multinode_inventory", "sglang_site_tree",
+]

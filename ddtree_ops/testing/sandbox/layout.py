@@ -1,0 +1,44 @@
+"""What a sandbox host is: the production paths it keeps, and its record in sandbox.json."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+SGLANG_VERSION = "0.5.23"
+VENV_PATH = "/opt/venv_sglang"
+PY_TAG = f"python{sys.version_info.major}.{sys.version_info.minor}"
+SITE_PACKAGES = f"{VENV_PATH}/lib/{PY_TAG}/site-packages"
+DDTREE_UNIT = "sglang-k26-ddtree.service"
+DFLASH_UNIT = "sglang-k26-dflash-cg.service"
+SERVER_PORT = 30000
+# What the units run on a sandbox host instead of sglang.launch_server.
+STANDIN_MODULE = "ddtree_ops.testing.standin"
+
+
+@dataclass
+class SandboxHost:
+    name: str
+    subnet: int  # K in 10.200.K.0/24
+    netns: str
+    veth: str
+    dir: str
+    sshd_pid: int | None = None
+    init_pid: int | None = None
+
+    @property
+    def address(self) -> str:
+        return f"10.200.{self.subnet}.2"
+
+    @property
+    def gateway(self) -> str:
+        return f"10.200.{self.subnet}.1"
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SandboxHost:
+        """From a sandbox.json entry; fields it no longer has (an older file's) are ignored, so
+        `down` still cleans up a sandbox written by an earlier version."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})

@@ -1,0 +1,205 @@
+"""`Sandbox`: a folder's set of test hosts, brought up, inspected, reset and taken down."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from ddtree_ops.inventory import load_inventory
+from ddtree_ops.localproc import pid_alive
+
+from .boot import boot
+from .errors import SandboxError
+from .hostfiles import HOST_KEY, _prepare_host_files, inventory_doc, write_inventory
+from .layout import SandboxHost
+from .namespaces import (
+    ALLOC_LOCK,
+    NETNS_DIR,
+    _free_subnets,
+    _is_mountpoint,
+    check_not_mounted_over,
+    delete_netns,
+    make_netns,
+    release_netns_mount,
+)
+from .prerequisites import missing_prerequisites
+from .processes import _kill_namespace_processes, _port_open, wait_healthy
+from .system import file_lock, run
+from .wheelcache import sglang_site_tree
+
+# What `down` deletes in the sandbox folder (besides hosts/); the folder goes too when then empty.
+_FILES = ("inventory.yaml", "known_hosts", "id_ed25519", "id_ed25519.pub", "sandbox.json")
+
+
+class Sandbox:
+    def __init__(self, directory: str | os.PathLike):
+        self.dir = Path(directory).resolve()
+        self.state_file = self.dir / "sandbox.json"
+        self.inventory_path = self.dir / "inventory.yaml"
+        self.known_hosts = self.dir / "known_hosts"
+        self.client_key = self.dir / "id_ed25519"
+
+    # -- state -------------------------------------------------------------------------------
+    def _load_state(self) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.state_file.read_text())
+        except FileNotFoundError:
+            return None
+
+    def _save_state(self, state: dict[str, Any]) -> None:
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=2))
+        os.replace(tmp, self.state_file)
+
+    def hosts(self) -> list[SandboxHost]:
+        state = self._load_state() or {}
+        return [SandboxHost.from_dict(h) for h in state.get("hosts", [])]
+
+    # -- up ----------------------------------------------------------------------------------
+    def up(self, n_hosts: int = 2, *, load_seconds: float = 0.5, timeout_s: float = 60.0,
+           multinode: int = 0) -> list[dict]:
+        """`multinode=N`: the last N hosts form one multi-node server (group `server1`)."""
+        if not 1 <= n_hosts <= 32:
+            raise SandboxError(f"--hosts must be 1..32, got {n_hosts}")
+        if multinode and not 2 <= multinode <= n_hosts:
+            raise SandboxError(f"--multinode must be 2..{n_hosts} (hosts), got {multinode}")
+        missing = missing_prerequisites()
+        if missing:
+            raise SandboxError("cannot create sandbox hosts; missing:\n  - " + "\n  - ".join(missing))
+        check_not_mounted_over(self.dir)
+        site_tree = sglang_site_tree()
+        check_not_mounted_over(site_tree.resolve(), "the sglang wheel cache (DDTREE_OPS_CACHE)")
+        if self._load_state() is not None:
+            self.down()  # running `up` again replaces the previous hosts cleanly
+        self.dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.dir, 0o700)
+
+        sid = "%04x" % random.randrange(0x10000)
+        state: dict[str, Any] = {
+            "id": sid, "created": time.time(), "hosts": [],
+            "netns_mount_preexisting": _is_mountpoint(NETNS_DIR),
+        }
+        self._save_state(state)  # from here on, `down` can clean up whatever exists
+        try:
+            self._make_client_key()
+            with file_lock(ALLOC_LOCK):
+                subnets = _free_subnets(n_hosts)
+                hosts = []
+                for i, k in enumerate(subnets, start=1):
+                    h = SandboxHost(name=f"sbx{i}", subnet=k, netns=f"ddt-{sid}-{i}",
+                                    veth=f"ddt{sid}h{i}", dir=str(self.dir / "hosts" / f"sbx{i}"))
+                    hosts.append(h)
+                    state["hosts"].append(asdict(h))
+                    self._save_state(state)
+                    make_netns(h)
+            write_inventory(self.inventory_path, inventory_doc(
+                hosts, client_key=self.client_key, known_hosts=self.known_hosts, load_seconds=load_seconds,
+                multinode=multinode))
+            inv = load_inventory(self.inventory_path)
+            known_lines = [_prepare_host_files(h, inv.hosts[h.name], self.client_key.with_suffix(".pub"))
+                           for h in hosts]
+            self.known_hosts.write_text("".join(known_lines))
+            os.chmod(self.known_hosts, 0o600)
+            for h in hosts:
+                boot(h, site_tree)
+                state["hosts"] = [asdict(x) for x in hosts]
+                self._save_state(state)
+            wait_healthy(hosts, inv, timeout_s)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.down()
+            raise
+        return self.status()
+
+    def _make_client_key(self) -> None:
+        for p in (self.client_key, self.client_key.with_suffix(".pub")):
+            p.unlink(missing_ok=True)
+        run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "ddtree-ops-sandbox", "-f", str(self.client_key)])
+
+    def reset_host(self, name: str) -> None:
+        """Put one host back in its "before deploy" state: every process in it ended, its files
+        rebuilt from the inventory, booted again. Its host key is kept (known_hosts stays valid)."""
+        inv = load_inventory(self.inventory_path)
+        state = self._load_state() or {}
+        hosts = self.hosts()
+        h = next((x for x in hosts if x.name == name), None)
+        if h is None:
+            raise SandboxError(f"no sandbox host {name!r} in {self.dir}")
+        _kill_namespace_processes(h)
+        key_dir = Path(h.dir) / "ssh"
+        saved = {f: (key_dir / f).read_bytes() for f in (HOST_KEY, f"{HOST_KEY}.pub")}
+        _prepare_host_files(h, inv.hosts[name], self.client_key.with_suffix(".pub"), host_key=saved)
+        boot(h, sglang_site_tree())
+        state["hosts"] = [asdict(x) for x in hosts]
+        self._save_state(state)
+        wait_healthy([h], inv, 60)
+
+    # -- status ------------------------------------------------------------------------------
+    def status(self) -> list[dict]:
+        """Per host: the connection facts and whether sshd, the units and /health are up.
+
+        The unit states come over real SSH, checked against the sandbox's known_hosts.
+        """
+        import httpx
+
+        from ddtree_ops.transport import connect
+
+        if self._load_state() is None:
+            raise SandboxError(f"no sandbox in {self.dir} (run `ddtree-ops sandbox up --dir {self.dir}`)")
+        inv = load_inventory(self.inventory_path)
+        rows = []
+        for h in self.hosts():
+            host = inv.hosts[h.name]
+            row: dict[str, Any] = {
+                "name": h.name, "address": host.address, "ssh_port": host.ssh_port, "user": host.ssh_user,
+                "identity_file": host.identity_file, "known_hosts": host.known_hosts,
+                "site_packages": host.site_packages, "unit": host.unit, "conflicts": list(host.conflicts),
+                "base_url": host.base_url, "netns": h.netns,
+                "sshd_up": pid_alive(h.sshd_pid) and _port_open(host.address, host.ssh_port, 0.5),
+                "ssh_ok": False, "units": {}, "active_unit": None, "health": None, "health_up": False,
+            }
+            try:
+                with connect(host) as conn:
+                    row["ssh_ok"] = True
+                    for unit in (host.unit, *host.conflicts):
+                        row["units"][unit] = (conn.run(["systemctl", "is-active", unit], check=False).stdout.strip()
+                                              or "unknown")
+                    row["active_unit"] = next((u for u, s in row["units"].items() if s == "active"), None)
+            except Exception as e:  # a broken host is a row, not a crash
+                row["ssh_error"] = str(e)
+            row["unit_up"] = row["units"].get(host.unit) == "active"
+            try:
+                r = httpx.get(host.base_url + "/health", timeout=2.0)
+                row["health"] = r.status_code
+                row["health_up"] = r.status_code == 200
+            except httpx.HTTPError as e:
+                row["health"] = type(e).__name__
+            rows.append(row)
+        return rows
+
+    # -- down --------------------------------------------------------------------------------
+    def down(self) -> dict[str, int]:
+        """Stop every process we started (by PID), delete namespaces, leave no mount."""
+        state = self._load_state()
+        if state is None:
+            return {"hosts": 0, "killed": 0}
+        killed = 0
+        for hd in state.get("hosts", []):
+            h = SandboxHost.from_dict(hd)
+            killed += _kill_namespace_processes(h)
+            delete_netns(h)
+        release_netns_mount(bool(state.get("netns_mount_preexisting")))
+        # Files we created; the folder itself goes too when nothing else is in it.
+        shutil.rmtree(self.dir / "hosts", ignore_errors=True)
+        for name in _FILES:
+            (self.dir / name).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            self.dir.rmdir()
+        return {"hosts": len(state.get("hosts", [])), "killed": killed}

@@ -1,0 +1,63 @@
+"""Stand-in SGLang 0.5.23 server for test hosts without a GPU.
+
+Run by the unit's ExecStart with the SGLang venv's interpreter::
+
+    python -m ddtree_ops.testing.standin --model-path M --host H --port P --tp 8 \
+        --speculative-algorithm DDTREE --speculative-draft-model-path D \
+        --speculative-ddtree-budget 16 --speculative-ddtree-topk-cap 4 [other SGLang flags]
+
+It follows the start-up contract of ``sglang.launch_server`` 0.5.23 (see
+shared/reference/sglang-0.5.23.md; ``timeline.run``):
+
+1. "loading": ``Load weight begin`` is logged, the port stays closed, every
+   ``sglang/srt/speculative/ddtree*.py`` found beside the installed ``sglang`` package is
+   imported (an exception ends the process with status 1 and the traceback in the log),
+   ``Load weight end`` and the CUDA graph lines are logged;
+2. warm-up: the port is bound; ``/health``, ``/health_generate`` and ``/ready`` answer 503;
+3. ready: they answer 200 and ``The server is fired up and ready to roll!`` is logged.
+
+Endpoints: ``/health``, ``/health_generate``, ``/ready``, ``/model_info``
+(``/get_model_info``), ``/server_info`` (``/get_server_info``), ``/v1/models`` and
+``POST /generate``. With ``--api-key`` every endpoint except ``/health*`` and ``/ready``
+needs ``Authorization: Bearer KEY``.
+
+``/generate`` runs a tiny seeded toy model (vocabulary of 64 tokens, Markov in the last
+token). Where the payload module ``sglang.srt.speculative.ddtree_utils`` provides
+``build_ddtree_tree``, ``compile_ddtree_retrieve`` and a tree sampling function, every
+decode step builds a DDTree from toy draft log-probs and verifies it with that sampling
+function, so the reported accept length is real; otherwise (or when a payload function
+raises, which is logged with its traceback) generation is autoregressive with accept
+length 1.0.
+
+Fault and timing knobs (passed through the inventory's ``extra_args``) are the
+``--standin-*`` flags (``args.build_parser``); ``DDTREE_STANDIN_LOAD_SECONDS`` in the
+environment overrides ``--standin-load-seconds``. Recorded SGLang flags whose name marks a
+secret (``ddtree_ops.redaction``) are masked in the log and in ``/server_info``.
+
+Needs only the standard library and ``ddtree_ops.redaction``; torch is imported lazily, on
+the DDTree path only.
+
+Modules, by concern:
+
+    args       the launch flags: parsed, unknown ones recorded, secrets masked
+    payload    the DDTree modules: found beside sglang, imported, their functions looked up
+    toymodel   the toy model, sampling, autoregressive and DDTree decoding
+    state      what the server answers: info documents, /generate, counters
+    server     HTTP: the handler and the threading server
+    timeline   `run`: loading (no listener), warm-up (503), ready (200), SIGTERM
+    logs       SGLang-style log lines
+"""
+
+from __future__ import annotations
+
+from .args import build_parser, masked, record_unknown
+from .payload import find_site_packages, list_ddtree_modules, lookup_ddtree_functions, prepare_parent_packages
+from .state import SGLANG_VERSION, State
+from .timeline import main, run
+from .toymodel import ToyModel, ddtree_step, generate_autoregressive
+
+__all__ = [
+    "SGLANG_VERSION", "State", "ToyModel", "build_parser", "ddtree_step", "find_site_packages",
+    "generate_autoregressive", "list_ddtree_modules", "lookup_ddtree_functions", "main", "masked",
+    "prepare_parent_packages", "record_unknown", "run",
+]

@@ -1,0 +1,199 @@
+"""`run`: SGLang 0.5.23's start-up contract, phase by phase, with the fault knobs; SIGTERM ends it."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+
+from ddtree_ops.redaction import MASK
+
+from .args import build_parser, masked, record_unknown
+from .logs import log, log_raw
+from .payload import find_site_packages, list_ddtree_modules, prepare_parent_packages, sha256_short
+from .server import _Server, make_server
+from .state import SGLANG_VERSION, State
+
+# Upstream 0.5.23 choices of --speculative-algorithm (for the argparse-like error).
+UPSTREAM_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM", "DFLASH")
+
+
+class _Terminate(BaseException):
+    pass
+
+
+def _on_sigterm(signum, frame):  # noqa: ARG001
+    raise _Terminate()
+
+
+def _sleep(seconds: float) -> None:
+    end = time.monotonic() + max(0.0, seconds)
+    while True:
+        left = end - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(min(left, 0.2))
+
+
+def _crash_in_load() -> None:
+    raise RuntimeError("Stand-in fault: crash during weight loading (--standin-crash-during-load)")
+
+
+def run(argv: list[str] | None = None) -> int:
+    try:
+        sys.stdout.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
+        sys.stderr.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
+    except (AttributeError, ValueError):
+        pass
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    extra = record_unknown(unknown)
+    env_load = os.environ.get("DDTREE_STANDIN_LOAD_SECONDS")
+    if env_load:
+        try:
+            args.standin_load_seconds = float(env_load)
+        except ValueError:
+            log(f"Ignoring DDTREE_STANDIN_LOAD_SECONDS={env_load!r}: not a number")
+    load_s = max(0.0, args.standin_load_seconds)
+
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    httpd: _Server | None = None
+    try:
+        site_packages = find_site_packages(args.standin_site_packages)
+        modules = list_ddtree_modules(site_packages)
+        algo = (args.speculative_algorithm or "").upper()
+        if algo == "DDTREE" and not modules:
+            parser.print_usage(sys.stderr)
+            choices = ", ".join(repr(c) for c in UPSTREAM_ALGORITHMS)
+            sys.stderr.write(f"{parser.prog}: error: argument --speculative-algorithm: invalid choice: "
+                             f"{args.speculative_algorithm!r} (choose from {choices})\n")
+            sys.stderr.flush()
+            return 2
+
+        shown = {k: v for k, v in vars(args).items() if not k.startswith("standin_")}
+        shown["api_key"] = MASK if args.api_key else None
+        log("server_args=ServerArgs(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")")
+        if extra:
+            log(f"Stand-in: recorded SGLang flags it does not model: {masked(extra)}")
+        log(f"Stand-in SGLang {SGLANG_VERSION} server (no GPU); sglang found in "
+            f"{site_packages if site_packages else '(nowhere)'}; pid {os.getpid()}")
+
+        mem = 94.50
+        t_load = time.monotonic()
+        log(f"Load weight begin. avail mem={mem:.2f} GB", "TP0")
+        if args.standin_never_listen:
+            log("Stand-in fault: weight loading never ends (--standin-never-listen)", "TP0")
+            while True:
+                time.sleep(1.0)
+        if args.standin_crash_during_load:
+            _sleep(load_s / 2)
+            try:
+                _crash_in_load()
+            except RuntimeError:
+                log(f"Scheduler hit an exception: {traceback.format_exc()}", "TP0")
+                return 1
+
+        # Import the DDTree modules as SGLang does when it creates a DDTree worker.
+        imported: dict[str, str] = {}
+        if modules and site_packages is not None:
+            why = prepare_parent_packages(site_packages)
+            if why:
+                log(f"Stand-in: the sglang package itself does not import in this venv ({why}); "
+                    "importing the DDTree modules under bare sglang/sglang.srt/"
+                    "sglang.srt.speculative package stubs", "TP0")
+        for path in modules:
+            name = f"sglang.srt.speculative.{path.stem}"
+            try:
+                importlib.import_module(name)
+            except _Terminate:
+                raise
+            except BaseException:  # noqa: BLE001 - SystemExit in a module is a crash too
+                tb = traceback.format_exc()
+                log(f"Scheduler hit an exception: {tb}", "TP0")
+                log(f"Failed to import {name} from {path}", "TP0")
+                return 1
+            imported[name] = sha256_short(path)
+        if modules:
+            log("DDTree modules imported: " + ", ".join(f"{n} (sha256 {h})" for n, h in imported.items()), "TP0")
+        else:
+            log("DDTree modules imported: (none)", "TP0")
+
+        _sleep(load_s - (time.monotonic() - t_load))
+        elapsed = time.monotonic() - t_load
+        log(f"Load weight end. elapsed={elapsed:.2f} s, type=StandinToyForCausalLM, "
+            f"avail mem={mem - 61.2:.2f} GB, mem usage=61.20 GB.", "TP0")
+        if args.speculative_draft_model_path:
+            log(f"Load weight begin. avail mem={mem - 61.2:.2f} GB", "TP0")
+            log("Load weight end. elapsed=0.01 s, type=StandinToyDraftModel, "
+                f"avail mem={mem - 63.1:.2f} GB, mem usage=1.90 GB.", "TP0")
+        log(f"Memory pool end. avail mem={mem - 70.0:.2f} GB", "TP0")
+        log(f"Capture cuda graph begin. This can take up to several minutes. avail mem={mem - 70.0:.2f} GB", "TP0")
+        log(f"Capture cuda graph end. Time elapsed: 0.00 s. mem usage=0.00 GB. avail mem={mem - 70.0:.2f} GB.", "TP0")
+
+        state = State(args, extra, imported, site_packages)
+        if modules and state.ddtree_fns is None:
+            log("DDTree functions for /generate not found in sglang.srt.speculative.ddtree_utils "
+                "(build_ddtree_tree, compile_ddtree_retrieve, tree sampling): /generate decodes "
+                "autoregressively", "TP0")
+        elif state.ddtree_fns is not None:
+            log(f"/generate exercises the DDTree payload (budget={state.budget()}, "
+                f"topk_cap={state.topk_cap()}, sampler={state.ddtree_fns.sampling_name})", "TP0")
+
+        try:
+            httpd = make_server(state)
+        except OSError as exc:
+            log_raw(f"ERROR:    [Errno {exc.errno}] error while attempting to bind on address "
+                    f"('{args.host}', {args.port}): {exc.strerror or exc}")
+            log(f"Stand-in: cannot listen on {args.host}:{args.port}: {exc}. "
+                f"Is another server already using the port?")
+            return 1
+        threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.1},
+                         name="http", daemon=True).start()
+        log_raw(f"INFO:     Started server process [{os.getpid()}]")
+        log_raw("INFO:     Waiting for application startup.")
+        log_raw("INFO:     Application startup complete.")
+        log_raw(f"INFO:     Uvicorn running on http://{args.host}:{args.port} (Press CTRL+C to quit)")
+
+        t_warm = time.monotonic()
+        warm = state.generate_one("The capital city of France is", {"temperature": 0, "max_new_tokens": 8},
+                                  count_stats=False)
+        log(f"Warm-up generate: {warm['meta_info']['completion_tokens']} tokens, "
+            f"accept len {warm['meta_info']['spec_accept_length']:.2f}", "TP0")
+        if args.standin_warmup_never_completes:
+            log("Stand-in fault: warm-up never completes (--standin-warmup-never-completes)", "TP0")
+            while True:
+                time.sleep(1.0)
+        _sleep(args.standin_warmup_seconds - (time.monotonic() - t_warm))
+        state.status = "Up"
+        log("The server is fired up and ready to roll!")
+
+        die_at = None
+        if args.standin_die_after_ready is not None:
+            die_at = time.monotonic() + max(0.0, args.standin_die_after_ready)
+        while True:
+            if die_at is not None and time.monotonic() >= die_at:
+                log("Stand-in fault: the server dies after it was declared healthy "
+                    "(--standin-die-after-ready)", "TP0")
+                log("Scheduler hit an exception: RuntimeError: stand-in fault", "TP0")
+                os._exit(1)
+            time.sleep(0.1)
+    except _Terminate:
+        log("Received sigterm with a graceful shutdown timeout of 0 seconds. Shutting down.")
+        if httpd is not None:
+            try:
+                httpd.RequestHandlerClass.state.status = "Draining"  # type: ignore[attr-defined]
+            except AttributeError:
+                pass
+            threading.Thread(target=httpd.shutdown, daemon=True).start()
+            httpd.server_close()
+        log("Stand-in server exited cleanly.")
+        return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    sys.exit(run(argv))
+

@@ -1,0 +1,128 @@
+"""Pure parsers and small rules, table-driven (fast tier): systemctl output, secret redaction,
+outcomes and exit codes, and the product's import graph."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from ddtree_ops.errors import DeployFailed, HostKeyError, InputError, LockHeldError, RollbackFailed, UnreachableError
+from ddtree_ops.redaction import is_secret_flag, is_secret_name, redact
+from ddtree_ops.results import HostResult, Outcome, failed_result, overall_exit_code
+from ddtree_ops.services import STATES_SCRIPT, UnitState, parse_main_pid, parse_probe, parse_states, probe_command
+
+
+@pytest.mark.parametrize("text, pid", [
+    ("MainPID=1234\n", 1234), ("MainPID=0\n", None), ("", None), ("MainPID=\n", None),
+    ("Id=x\nMainPID=77\n", 77), ("MainPID=abc\n", None), ("mainpid=5\n", None),
+])
+def test_main_pid(text, pid):
+    assert parse_main_pid(text) == pid
+
+
+def test_states_one_line_per_unit_and_unknown_for_the_rest():
+    out = ("a.service\tactive\tenabled\tMainPID=42\n"
+           "b.service\tinactive\tdisabled\tMainPID=0\n"
+           "garbage line\n"
+           "c.service\tfailed\n")
+    got = parse_states(out, ("a.service", "b.service", "c.service"))
+    assert got == {"a.service": UnitState("a.service", "active", "enabled", 42),
+                   "b.service": UnitState("b.service", "inactive", "disabled", None),
+                   "c.service": UnitState("c.service", "unknown", "unknown", None)}
+    assert 'for u do' in STATES_SCRIPT
+
+
+def test_probe_splits_state_pid_and_log():
+    text = "activating\n@@@\nMainPID=9\n@@@\nline 1\n\nLoad weight begin\n"
+    p = parse_probe(text)
+    assert (p.active, p.main_pid, p.log) == ("activating", 9, ["line 1", "Load weight begin"])
+    assert parse_probe("").active == "unknown"
+    assert "'evil;unit'" in probe_command("evil;unit", 5)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("--api-key sk-1 --port 1", "--api-key *** --port 1"),
+    ("--api-key=sk-1", "--api-key=***"),
+    ('--admin-api-key "a b"', "--admin-api-key ***"),
+    ("--api-key ${SGLANG_KEY}", "--api-key ${SGLANG_KEY}"),
+    ('Environment="HF_TOKEN=hf_x"', 'Environment="HF_TOKEN=***"'),
+    ("DB_PASSWORD=p other", "DB_PASSWORD=*** other"),
+    ("--hf-token t --token=u", "--hf-token *** --token=***"),
+    ("--tokenizer-path /m --port 30000", "--tokenizer-path /m --port 30000"),
+])
+def test_redact(text, expected):
+    assert redact(text) == expected
+
+
+def test_one_secret_list_for_flags_and_names():
+    assert is_secret_flag("--api-key") and is_secret_flag("--admin-api-key=x") and not is_secret_flag("--port")
+    assert is_secret_name("api_key") and is_secret_name("HF_TOKEN") and not is_secret_name("model_path")
+
+
+@pytest.mark.parametrize("exc, outcome, code", [
+    (LockHeldError("x"), Outcome.LOCKED, 5), (HostKeyError("x"), Outcome.HOST_KEY_REFUSED, 2),
+    (UnreachableError("x"), Outcome.UNREACHABLE, 1), (RollbackFailed("x"), Outcome.ROLLBACK_FAILED, 4),
+    (InputError("x"), Outcome.REFUSED, 2), (RuntimeError("x"), Outcome.FAILED, 1),
+])
+def test_failed_result_follows_the_exception(exc, outcome, code):
+    r = failed_result("h", exc, 1.0)
+    assert (r.outcome, r.exit_code, r.message) == (outcome, code, "x")
+
+
+def test_failed_result_prefers_the_result_an_exception_carries():
+    e = DeployFailed("x")
+    e.result = HostResult("h", Outcome.ROLLED_BACK, 3, release="r1")
+    assert failed_result("h", e, 0.0) is e.result
+
+
+@pytest.mark.parametrize("codes, overall", [
+    ([0, 0], 0), ([0, 2], 2), ([5, 2], 5), ([3, 5], 3), ([4, 3, 5, 2], 4), ([1, 2], 2), ([1, 0], 1), ([], 0),
+])
+def test_the_most_serious_exit_code_wins(codes, overall):
+    assert overall_exit_code([HostResult("h", Outcome.DEPLOYED, c) for c in codes]) == overall
+
+
+def _imports(path: Path, package: str) -> set[str]:
+    """Every ddtree_ops module `path` imports, at any depth (imports inside functions included)."""
+    mod = package + "." + path.stem if path.stem != "__init__" else package
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = mod.rsplit(".", node.level - (path.stem == "__init__"))[0] if node.level else ""
+                target = f"{base}.{node.module}" if node.module else base
+                names = [f"{target}.{a.name}" for a in node.names]
+            else:
+                target, names = node.module or "", []
+            for t in [target, *names]:
+                if t.startswith("ddtree_ops"):
+                    out.add(t)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("ddtree_ops"))
+    return out
+
+
+def test_the_product_has_no_import_cycles_not_even_inside_functions():
+    root = Path(__file__).resolve().parent.parent / "ddtree_ops"
+    files = {("ddtree_ops." + p.stem): p for p in root.glob("*.py") if p.stem != "__init__"}
+    graph = {m: {t for t in _imports(p, "ddtree_ops") if t in files and t != m} for m, p in files.items()}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(n):] + [n]))
+            if n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    assert "ddtree_ops.deploy" in graph["ddtree_ops.fleet"]  # the graph is really read

@@ -1,0 +1,258 @@
+"""The runbook on fake hosts (fast tier): order of steps, automatic rollback from every step,
+journal repair, lock, --no-rollback, Ctrl-C, the rollback command and multi-node ordering.
+The release store is the real remote agent (in-process, rooted in a temp folder); units and the
+server are in memory. See ddtree_ops/testing/fake_host.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from ddtree_ops.deploy import deploy_host
+from ddtree_ops.errors import DeployFailed, InputError, Interrupted, LockHeldError, PreflightError, RollbackFailed
+from ddtree_ops.multinode import deploy_server, rollback_server
+from ddtree_ops.results import Outcome
+from ddtree_ops.rollback import rollback_host
+from ddtree_ops.rollout import Target
+from ddtree_ops.runbook import DeployOptions
+from ddtree_ops.testing.fake_host import DFLASH_UNIT, FAKE_CRASH, FAKE_HANG, UPSTREAM_BYTES, UPSTREAM_REL
+from fast_kit import PROBE_REL
+
+OPTS = DeployOptions(reconnect_s=5)
+UNIT_DIR = "/etc/systemd/system"
+
+
+def site(fake, rel: str) -> str:
+    return f"{fake.host.site_packages}/{rel}"
+
+
+def snapshot(fake) -> dict[str, bytes]:
+    """What a rollback must restore byte for byte: site-packages and the unit folder."""
+    return fake.tree(fake.host.site_packages, UNIT_DIR)
+
+
+def journal_steps(result) -> list[str]:
+    return [s["step"] for s in result.steps]
+
+
+def current(fake) -> str | None:
+    return fake.session().store.history()["current"]
+
+
+def test_deploy_runs_the_runbook_in_order_and_leaves_the_host_on_the_release(fake, patchset):
+    before = snapshot(fake)
+    r = deploy_host(fake.session(), patchset, OPTS)
+
+    assert r.outcome == Outcome.DEPLOYED and r.exit_code == 0
+    assert journal_steps(r) == ["preflight", "backup", "install", "stop conflicts", "restart", "wait for weights",
+                                "serving", "health gate", "commit", "committed"]
+    ev = fake.events
+    order = ["agent lock", "agent compile", "agent verify_unit", "agent backup", "agent install",
+             "systemctl daemon-reload", f"systemctl stop {DFLASH_UNIT}", f"systemctl disable {DFLASH_UNIT}",
+             f"systemctl enable {fake.host.unit}", f"systemctl restart {fake.host.unit}", "http GET /health",
+             "http POST /generate", "agent set_current", "agent unlock"]
+    positions = [ev.index(e) for e in order]
+    assert positions == sorted(positions), ev
+    assert fake.read(site(fake, PROBE_REL)) == b"PROBE = 1\n"
+    assert fake.read(site(fake, UPSTREAM_REL)) == UPSTREAM_BYTES + b"# patched\n"
+    assert b"--speculative-ddtree-budget 16" in fake.read(f"{UNIT_DIR}/{fake.host.unit}")
+    assert fake.units[DFLASH_UNIT].active == "inactive" and fake.units[DFLASH_UNIT].enabled == "disabled"
+    assert fake.units[fake.host.unit].active == "active" and fake.units[fake.host.unit].enabled == "enabled"
+    hist = fake.session().store.history()
+    assert hist["current"] == r.release and hist["releases"][-1]["outcome"] == "deployed"
+    facts = fake.session().store.facts([])
+    assert facts["journal"] is None and facts["lock"] is None
+    assert snapshot(fake) != before
+
+
+def test_a_second_deploy_of_the_same_files_changes_nothing(fake, patchset):
+    first = deploy_host(fake.session(), patchset, OPTS)
+    fake.events.clear()
+    again = deploy_host(fake.session(), patchset, OPTS)
+    assert again.outcome == Outcome.UNCHANGED and again.release == first.release
+    assert not [e for e in fake.events if e.startswith(("agent install", "agent backup", "systemctl restart"))]
+
+
+@pytest.mark.parametrize("fault, failed_step", [
+    ({"fail": "agent backup"}, "backup"),
+    ({"fail": "agent install"}, "install"),
+    ({"fail": "systemctl daemon-reload"}, "daemon-reload"),
+    ({"fail": f"systemctl stop {DFLASH_UNIT}"}, f"stop {DFLASH_UNIT}"),
+    ({"marker": FAKE_CRASH}, "wait for weights"),
+    ({"marker": FAKE_HANG, "deadline_s": 0.2}, "wait for weights"),
+    ({"accept_length": 0.5}, "health gate"),
+])
+def test_a_failure_at_any_step_rolls_the_host_back_byte_for_byte(fake, versioned_patchset, fault, failed_step):
+    before = snapshot(fake)
+    if "fail" in fault:
+        fake.fail_next[fault["fail"]] = "injected fault"
+    if "accept_length" in fault:
+        fake.host = dataclasses.replace(fake.host,
+                                        health=dataclasses.replace(fake.host.health, min_accept_length=2.0))
+        fake.accept_lengths[fake.host.unit] = fault["accept_length"]
+    ps = versioned_patchset(marker=b"\n# " + fault.get("marker", b"") + b"\n")
+    opts = DeployOptions(reconnect_s=5, deadline_s=fault.get("deadline_s"))
+
+    with pytest.raises(DeployFailed) as ei:
+        deploy_host(fake.session(), ps, opts)
+
+    r = ei.value.result
+    assert r.outcome == Outcome.ROLLED_BACK and r.exit_code == 3
+    assert r.failed_step.startswith(failed_step) or failed_step in r.failed_step, r.failed_step
+    assert snapshot(fake) == before
+    assert fake.units[DFLASH_UNIT].active == "active" and fake.units[DFLASH_UNIT].enabled == "enabled"
+    assert fake.units[fake.host.unit].active != "active"
+    assert current(fake) is None and fake.session().store.facts([])["journal"] is None
+    assert fake.session().store.history()["releases"][-1]["outcome"].startswith("rolled back")
+
+
+def test_a_failed_rollback_keeps_the_journal_and_the_next_deploy_repairs_it_first(fake, versioned_patchset, patchset):
+    before = snapshot(fake)
+    fake.fail_next["agent restore"] = "disk gone"
+    with pytest.raises(RollbackFailed) as ei:
+        deploy_host(fake.session(), versioned_patchset(marker=b"\n# " + FAKE_CRASH + b"\n"), OPTS)
+    assert ei.value.exit_code == 4 and "a person must look" in str(ei.value)
+    journal = fake.session().store.facts([])["journal"]
+    assert journal and journal["step"] == "wait for weights"
+
+    r = deploy_host(fake.session(), patchset, OPTS)
+    assert r.repaired == journal["release"] and r.outcome == Outcome.DEPLOYED
+    assert journal_steps(r)[:3] == ["repair", "rollback", "rollback: waiting"]
+    rolled = rollback_host(fake.session(), None, OPTS)
+    assert rolled.outcome == Outcome.ROLLED_BACK and snapshot(fake) == before
+
+
+def test_a_lost_connection_during_the_rollback_is_reconnected_and_the_rollback_finishes(fake, versioned_patchset):
+    before = snapshot(fake)
+    fake.drop_connection_at.add("agent remove_partial")
+    with pytest.raises(DeployFailed):
+        deploy_host(fake.session(), versioned_patchset(marker=b"\n# " + FAKE_CRASH + b"\n"), OPTS)
+    assert fake.reconnects == 1 and snapshot(fake) == before
+
+
+def test_a_held_lock_refuses_the_deploy_and_changes_nothing(fake, patchset):
+    before = snapshot(fake)
+    fake.session().store.acquire_lock("someone else's deploy")
+    with pytest.raises(LockHeldError) as ei:
+        deploy_host(fake.session(), patchset, OPTS)
+    assert ei.value.exit_code == 5 and "someone else's deploy" in str(ei.value)
+    assert snapshot(fake) == before
+
+
+def test_a_preflight_refusal_changes_nothing(fake, versioned_patchset):
+    before = snapshot(fake)
+    fake.write(site(fake, UPSTREAM_REL), b"# drifted\n")
+    with pytest.raises(PreflightError) as ei:
+        deploy_host(fake.session(), versioned_patchset(), OPTS)
+    assert "drift" in str(ei.value) and ei.value.exit_code == 2
+    assert not [e for e in fake.events if e.startswith(("agent backup", "agent install", "systemctl"))
+                and e != "systemctl states"]
+    assert snapshot(fake) == {**before, site(fake, UPSTREAM_REL): b"# drifted\n"}
+
+
+def test_no_rollback_leaves_the_failed_release_in_place(fake, versioned_patchset):
+    with pytest.raises(RollbackFailed) as ei:
+        deploy_host(fake.session(), versioned_patchset(marker=b"\n# " + FAKE_CRASH + b"\n"),
+                    DeployOptions(no_rollback=True))
+    assert "--no-rollback" in str(ei.value)
+    assert FAKE_CRASH in fake.read(site(fake, PROBE_REL))
+    assert fake.session().store.facts([])["journal"]["step"] == "failed (--no-rollback)"
+
+
+def test_ctrl_c_in_the_middle_rolls_back(fake, patchset):
+    before = snapshot(fake)
+
+    def report(host, msg):
+        if msg.startswith("restart"):
+            raise KeyboardInterrupt
+
+    with pytest.raises(Interrupted) as ei:
+        deploy_host(fake.session(), patchset, OPTS, report)
+    assert ei.value.result.outcome == Outcome.INTERRUPTED and ei.value.exit_code == 3
+    assert snapshot(fake) == before and fake.units[DFLASH_UNIT].active == "active"
+
+
+def test_rollback_steps_back_one_release_then_to_the_original_files(fake, versioned_patchset):
+    before = snapshot(fake)
+    r1 = deploy_host(fake.session(), versioned_patchset("1.0.0"), OPTS)
+    after_r1 = snapshot(fake)
+    r2 = deploy_host(fake.session(), versioned_patchset("2.0.0"), OPTS)
+    assert current(fake) == r2.release
+
+    back = rollback_host(fake.session(), None, OPTS)
+    assert back.release == r1.release and snapshot(fake) == after_r1 and current(fake) == r1.release
+    with pytest.raises(InputError, match="already current"):
+        rollback_host(fake.session(), r1.release, OPTS)
+    with pytest.raises(InputError, match="not an ancestor"):
+        rollback_host(fake.session(), "20990101T000000Z-nope", OPTS)
+
+    orig = rollback_host(fake.session(), "original", OPTS)
+    assert orig.release is None and snapshot(fake) == before and current(fake) is None
+    assert fake.units[DFLASH_UNIT].active == "active" and fake.units[DFLASH_UNIT].enabled == "enabled"
+    with pytest.raises(InputError, match="no deployed release"):
+        rollback_host(fake.session(), None, OPTS)
+
+
+def test_a_corrupted_backup_is_refused_before_anything_is_restored(fake, versioned_patchset):
+    deploy_host(fake.session(), versioned_patchset("1.0.0"), OPTS)
+    r2 = deploy_host(fake.session(), versioned_patchset("2.0.0"), OPTS)
+    stored = sorted(fake.path(f"{fake.host.state_dir}/releases/{r2.release}/backup/files").iterdir())[0]
+    stored.write_bytes(b"tampered")
+    now = snapshot(fake)
+    with pytest.raises(RollbackFailed, match="corrupted"):
+        rollback_host(fake.session(), None, OPTS)
+    assert snapshot(fake) == now and current(fake) == r2.release
+
+
+def _connect(nodes):
+    by_name = {n.host.name: n for n in nodes}
+    return lambda host: by_name[host.name].session()
+
+
+def test_a_multinode_server_restarts_rank_0_last_and_gates_on_node_0_only(fake_server, patchset):
+    n0, n1 = fake_server
+    order: list[str] = []
+    for n in fake_server:
+        n.events = _Recorder(order, n.host.name)
+    target = Target("server1", (n0.host, n1.host))
+    rows = deploy_server(target, patchset, OPTS, connect=_connect(fake_server), report=lambda h, m: None)
+
+    assert [r.outcome for r in rows] == [Outcome.DEPLOYED, Outcome.DEPLOYED]
+    assert len({r.release for r in rows}) == 1
+    restarts = [e for e in order if "systemctl restart sglang-k26-ddtree" in e]
+    assert restarts == ["fh2: systemctl restart sglang-k26-ddtree.service",
+                        "fh1: systemctl restart sglang-k26-ddtree.service"]
+    assert any(e.startswith("fh1: http GET /health") for e in order)
+    assert not any(e.startswith("fh2: http") for e in order)
+    assert b"--node-rank 1" in n1.read(f"{UNIT_DIR}/{n1.host.unit}")
+
+
+def test_a_multinode_failure_rolls_every_node_back_rank_0_last(fake_server, versioned_patchset):
+    n0, n1 = fake_server
+    before = [snapshot(n) for n in fake_server]
+    order: list[str] = []
+    for n in fake_server:
+        n.events = _Recorder(order, n.host.name)
+    target = Target("server1", (n0.host, n1.host))
+    rows = deploy_server(target, versioned_patchset(marker=b"\n# " + FAKE_CRASH + b"\n"), OPTS,
+                         connect=_connect(fake_server), report=lambda h, m: None)
+
+    assert [r.outcome for r in rows] == [Outcome.ROLLED_BACK, Outcome.ROLLED_BACK]
+    assert [snapshot(n) for n in fake_server] == before
+    restores = [e.split(":")[0] for e in order if e.endswith("agent restore")]
+    assert restores == ["fh2", "fh1"]
+    back = rollback_server(target, None, OPTS, connect=_connect(fake_server), report=lambda h, m: None)
+    assert [r.outcome for r in back] == [Outcome.REFUSED, Outcome.REFUSED]  # nothing left to roll back
+
+
+class _Recorder(list):
+    """A fake host's event list that also appends 'host: event' to one shared, ordered list."""
+
+    def __init__(self, shared: list[str], host: str):
+        super().__init__()
+        self.shared, self.host = shared, host
+
+    def append(self, item: str) -> None:
+        super().append(item)
+        self.shared.append(f"{self.host}: {item}")

@@ -130,10 +130,12 @@ def compute_plan(host: Host, ps: PatchSet, facts: dict[str, Any], unit_new: str,
 
 
 def read_host(session: HostReader, ps: PatchSet) -> dict[str, Any]:
-    """Everything the plan needs, read in two round trips."""
+    """Everything the plan needs, read in two round trips. `unit_states` keeps the whole state of
+    each unit (the deploy records it as what to restore); the plan reads only `units`."""
     host = session.host
     facts = session.store.facts([target_path(host, pf.path) for pf in ps.files])
-    facts["units"] = {u: s.active for u, s in session.services.states((host.unit, *host.conflicts)).items()}
+    facts["unit_states"] = session.services.states((host.unit, *host.conflicts))
+    facts["units"] = {u: s.active for u, s in facts["unit_states"].items()}
     return facts
 
 

@@ -166,7 +166,6 @@ def op_facts(req):
         "journal": read_json(os.path.join(state, "journal.json")),
         "lock": read_json(os.path.join(state, "lock", "holder.json")),
         "free_mb": {"site_packages": disk_free_mb(sp), "state_dir": disk_free_mb(state)},
-        "has_systemd_analyze": shutil.which("systemd-analyze") is not None,
     }
 
 

@@ -21,12 +21,12 @@ from .errors import InputError, RemoteCommandError, RollbackFailed, UnreachableE
 from .health import HealthFailure, health_gate, wait_until_serving
 from .patchset import PatchSet
 from .pause_points import agent_pause_request, pause
-from .plan import HostPlan, plan_host, target_path
+from .plan import HostPlan, compute_plan, read_host, target_path
 from .release_store import LockHolder, b64, new_release_id
 from .results import Reporter
 from .services import UnitState
 from .session import HostSession
-from .units import verify_command, verify_problems, verify_unit
+from .units import render_unit, verify_command, verify_problems, verify_unit
 
 
 def quiet(host: str, msg: str) -> None:
@@ -85,6 +85,7 @@ class Runbook:
         self.host = session.host
         self.store, self.services = session.store, session.services
         self.steps: list[dict[str, Any]] = []
+        self._states_read: dict[str, UnitState] | None = None
 
     def step(self, name: str, detail: str = "") -> None:
         self.steps.append({"step": name, "t": time.time(), "detail": detail})
@@ -124,7 +125,9 @@ class Runbook:
         """The plan, with every refusal: the plan's own, the host's Python compiling the modules,
         and `systemd-analyze verify` of the new unit. Changes nothing."""
         self.step("preflight", detail)
-        plan = plan_host(self.session, ps, force=opts.force, templates_dir=opts.templates_dir)
+        facts = read_host(self.session, ps)
+        self._states_read = facts["unit_states"]
+        plan = compute_plan(self.host, ps, facts, render_unit(self.host, opts.templates_dir), force=opts.force)
         refusals = [*plan.refusals, *self._compile_problems(ps), *self._unit_problems(plan.unit_new)]
         return dataclasses.replace(plan, refusals=tuple(refusals))
 
@@ -150,6 +153,10 @@ class Runbook:
 
     # -- the release -----------------------------------------------------------------------------
     def services_before(self) -> dict[str, UnitState]:
+        """The units as they are before the release: as preflight read them (nothing has changed
+        since, under the lock), else read now."""
+        if self._states_read is not None:
+            return self._states_read
         return self.services.states((self.host.unit, *self.host.conflicts))
 
     def is_running_as_planned(self, plan: HostPlan, before: dict[str, UnitState]) -> bool:

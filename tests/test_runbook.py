@@ -54,6 +54,7 @@ def test_deploy_runs_the_runbook_in_order_and_leaves_the_host_on_the_release(fak
              "http POST /generate", "agent set_current", "agent unlock"]
     positions = [ev.index(e) for e in order]
     assert positions == sorted(positions), ev
+    assert ev[:ev.index("agent backup")].count("systemctl states") == 1  # read once, kept as "before"
     assert fake.read(site(fake, PROBE_REL)) == b"PROBE = 1\n"
     assert fake.read(site(fake, UPSTREAM_REL)) == UPSTREAM_BYTES + b"# patched\n"
     assert b"--speculative-ddtree-budget 16" in fake.read(f"{UNIT_DIR}/{fake.host.unit}")

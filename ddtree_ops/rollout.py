@@ -217,7 +217,7 @@ class Rollout:
                     if host in raised:
                         return
                     raised.add(host)
-                raise _Interrupt()  # HostDeploy rolls this host back (or stops before any change)
+                raise _Interrupt()  # the runbook rolls this host back (or stops before any change)
         return report
 
     def _run_target(self, t: Target, action: TargetAction, interruptible: bool) -> list[HostResult]:

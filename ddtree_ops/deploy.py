@@ -15,9 +15,7 @@ from .errors import (
     DeployFailed,
     Interrupted,
     PreflightError,
-    RemoteCommandError,
     RollbackFailed,
-    UnreachableError,
 )
 from .patchset import PatchSet
 from .plan import HostPlan
@@ -46,17 +44,31 @@ def deploy_host(session: HostSession, ps: PatchSet, opts: DeployOptions, report:
             return HostResult(rb.host.name, Outcome.UNCHANGED, 0, release=plan.current_release, steps=rb.steps,
                               seconds=time.monotonic() - t0, repaired=repaired)
         release = rb.begin(plan, ps, lock, before)
+        # From the first change on, one transaction: whatever goes wrong (a failed step, a remote
+        # error or a lost connection between steps, a bug, Ctrl-C) rolls the host back.
         try:
             rb.backup_and_install(ps, plan, release, opts)
             rb.restart(release)
             rb.wait_and_gate(release, opts.deadline_s)
             rb.commit(plan, release)
-        except (StepFailed, KeyboardInterrupt) as e:
+        except (Exception, KeyboardInterrupt) as e:
             raise recover(rb, release, e, opts, t0=t0, repaired=repaired) from None
         return HostResult(rb.host.name, Outcome.DEPLOYED, 0, release=release.id, steps=rb.steps,
-                          seconds=time.monotonic() - t0, repaired=repaired)
+                          seconds=time.monotonic() - t0, repaired=repaired, message="; ".join(rb.warnings))
     finally:
         rb.unlock(lock)
+
+
+def describe_failure(rb: Runbook, exc: BaseException) -> tuple[str, str, list[str]]:
+    """(failed step, message, log lines) of what ended a deploy: a failed step names itself;
+    anything else happened during the step the journal records last."""
+    if isinstance(exc, KeyboardInterrupt):
+        return f"interrupted (Ctrl-C) during {rb.last_step}", "interrupted by the operator", []
+    if isinstance(exc, StepFailed):
+        return exc.step, str(exc), exc.log
+    if isinstance(exc, DdtreeOpsError):
+        return rb.last_step, str(exc), []
+    return rb.last_step, f"{type(exc).__name__}: {exc}", []
 
 
 def recover(rb: Runbook, release: Release, exc: BaseException, opts: DeployOptions, *, t0: float,
@@ -65,9 +77,7 @@ def recover(rb: Runbook, release: Release, exc: BaseException, opts: DeployOptio
     exception to raise (`.result` holds the host's row)."""
     h = rb.host
     interrupted = isinstance(exc, KeyboardInterrupt)
-    failed_step = f"interrupted (Ctrl-C) during {rb.last_step}" if interrupted else exc.step
-    message = "interrupted by the operator" if interrupted else str(exc)
-    log = [] if interrupted else exc.log
+    failed_step, message, log = describe_failure(rb, exc)
     if opts.no_rollback and not interrupted:
         rb.leave_failed(release, failed_step, message)
         return RollbackFailed(f"{h.name}: deploy failed at {failed_step}: {message}; left as is because of "
@@ -77,7 +87,7 @@ def recover(rb: Runbook, release: Release, exc: BaseException, opts: DeployOptio
     try:
         rb.roll_back_reconnecting(opts.reconnect_s, release.id, release.journal,
                                   outcome=f"rolled back ({failed_step})", failed_step=failed_step, error=message)
-    except (StepFailed, RemoteCommandError, UnreachableError) as e:
+    except Exception as e:
         return RollbackFailed(f"{h.name}: deploy failed at {failed_step} ({message}) and the rollback failed too: "
                               f"{e}. The journal on the host records release {release.id}; a person must look, "
                               f"then run `ddtree-ops rollback --limit {h.name}`.")

@@ -22,8 +22,8 @@ import time
 from contextlib import ExitStack
 from typing import Callable
 
-from .deploy import refusal
-from .errors import DdtreeOpsError, DeployFailed, Interrupted, RemoteCommandError, RollbackFailed, UnreachableError
+from .deploy import describe_failure, refusal
+from .errors import DdtreeOpsError, DeployFailed, Interrupted, RollbackFailed
 from .inventory import Host
 from .patchset import PatchSet
 from .plan import HostPlan
@@ -31,7 +31,7 @@ from .release_store import LockHolder
 from .results import HostResult, Outcome, failed_result
 from .rollback import rollback_host
 from .rollout import Target
-from .runbook import DeployOptions, Reporter, Runbook, StepFailed
+from .runbook import DeployOptions, Reporter, Runbook
 from .session import HostSession
 
 Connect = Callable[[Host], HostSession]
@@ -107,18 +107,19 @@ def _deploy_nodes(server: Target, nodes: list[Runbook], locks: list[LockHolder],
             n.check_running(r)
         for n, p, r in zip(nodes, plans, releases, strict=True):
             n.commit(p, r)
-    except (StepFailed, KeyboardInterrupt) as e:
+    except (Exception, KeyboardInterrupt) as e:  # one transaction over every node, as for one host
         interrupted = isinstance(e, KeyboardInterrupt)
-        failed_step = "interrupted (Ctrl-C)" if interrupted else e.step
-        message = "interrupted by the operator" if interrupted else str(e)
-        log = [] if interrupted else e.log
+        latest = max(nodes, key=lambda n: n.steps[-1]["t"] if n.steps else 0.0)  # the node that was busy
+        failed_step, message, log = describe_failure(latest, e)
+        if interrupted:
+            failed_step = "interrupted (Ctrl-C)"
         nodes[0].report(server.name, f"FAILED at {failed_step}: {message}; rolling back every node")
         problems = []
         for i in sorted(started, key=lambda i: -nodes[i].host.node_rank):  # rank 0 last
             try:
                 nodes[i].roll_back(releases[i].id, releases[i].journal, outcome=f"rolled back ({failed_step})",
                                    failed_step=failed_step, error=message)
-            except (StepFailed, RemoteCommandError, UnreachableError) as re:
+            except Exception as re:
                 problems.append(f"{nodes[i].host.name}: {re}")
         if problems:
             return rows(Outcome.ROLLBACK_FAILED, RollbackFailed.exit_code, release=first.id, failed_step=failed_step,
@@ -128,10 +129,8 @@ def _deploy_nodes(server: Target, nodes: list[Runbook], locks: list[LockHolder],
                          else (Outcome.ROLLED_BACK, DeployFailed.exit_code))
         return rows(outcome, code, release=first.id, failed_step=failed_step, log=log,
                     message=f"server {server.name}: deploy failed at {failed_step}: {message}; every node rolled back")
-    except (RemoteCommandError, UnreachableError) as e:  # outside a guarded step: a person must look
-        return rows(Outcome.ROLLBACK_FAILED, RollbackFailed.exit_code, release=first.id,
-                    message=f"server {server.name}: {e}")
-    return rows(Outcome.DEPLOYED, 0, release=first.id)
+    return rows(Outcome.DEPLOYED, 0, release=first.id,
+                message="; ".join(w for n in nodes for w in n.warnings))
 
 
 def rollback_server(server: Target, to: str | None, opts: DeployOptions, *, connect: Connect,

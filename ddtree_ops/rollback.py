@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .errors import InputError, RemoteCommandError, RollbackFailed, UnreachableError
+from .errors import DdtreeOpsError, InputError, RollbackFailed
 from .results import HostResult, Outcome
 from .runbook import DeployOptions, Reporter, Runbook, StepFailed, quiet
 from .session import HostSession
@@ -77,8 +77,9 @@ def rollback_host(session: HostSession, to: str | None, opts: DeployOptions, rep
             rb.services.daemon_reload()
             rb.restore_services(oldest.get("active_before") or {}, oldest.get("enabled_before") or {})
             rb.store.set_current(now_on)
-        except (StepFailed, RemoteCommandError, UnreachableError) as e:
-            raise RollbackFailed(f"{h.name}: rollback failed: {e}; a person must look") from None
+        except Exception as e:  # whatever it was, the host is between releases now
+            what = str(e) if isinstance(e, (StepFailed, DdtreeOpsError)) else f"{type(e).__name__}: {e}"
+            raise RollbackFailed(f"{h.name}: rollback failed: {what}; a person must look") from None
         return HostResult(h.name, Outcome.ROLLED_BACK, 0, release=now_on, steps=rb.steps,
                           seconds=time.monotonic() - t0, message=f"now on {now_on or 'the original upstream files'}")
     finally:

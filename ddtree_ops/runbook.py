@@ -86,6 +86,7 @@ class Runbook:
         self.store, self.services = session.store, session.services
         self.steps: list[dict[str, Any]] = []
         self._states_read: dict[str, UnitState] | None = None
+        self.warnings: list[str] = []  # what went wrong without failing the run (housekeeping)
 
     def step(self, name: str, detail: str = "") -> None:
         self.steps.append({"step": name, "t": time.time(), "detail": detail})
@@ -115,7 +116,7 @@ class Runbook:
         self.step("repair", f"found an interrupted deploy of {rid} (step {journal.get('step')!r}); rolling it back")
         try:
             self.roll_back(rid, journal, outcome=f"interrupted at {journal.get('step')}, rolled back")
-        except (StepFailed, RemoteCommandError, UnreachableError) as e:
+        except Exception as e:
             raise RollbackFailed(f"{self.host.name}: repairing the interrupted deploy {rid} failed: {e}; "
                                  f"a person must look") from None
         return rid
@@ -276,8 +277,14 @@ class Runbook:
         self.store.write_release(release.id, outcome="deployed", installed=installed, deployed_at=time.time())
         self.store.set_current(release.id)
         self.store.clear_journal()
-        removed = self.store.prune(h.keep_releases)
-        self.step("committed", f"release {release.id}" + (f"; pruned {', '.join(removed)}" if removed else ""))
+        # Committed: from here on nothing undoes the release. Housekeeping that fails is said.
+        try:
+            removed = self.store.prune(h.keep_releases)
+        except (RemoteCommandError, UnreachableError) as e:
+            self.warnings.append(f"release {release.id} committed, but pruning old releases failed: {e}")
+            removed = []
+        self.step("committed", f"release {release.id}" + (f"; pruned {', '.join(removed)}" if removed else "")
+                  + ("; " + "; ".join(self.warnings) if self.warnings else ""))
 
     def leave_failed(self, release: Release, failed_step: str, error: str) -> None:
         """--no-rollback: record the failure and leave the host as it is."""

@@ -10,13 +10,21 @@ import dataclasses
 import pytest
 
 from ddtree_ops.deploy import deploy_host
-from ddtree_ops.errors import DeployFailed, InputError, Interrupted, LockHeldError, PreflightError, RollbackFailed
+from ddtree_ops.errors import (
+    DdtreeOpsError,
+    DeployFailed,
+    InputError,
+    Interrupted,
+    LockHeldError,
+    PreflightError,
+    RollbackFailed,
+)
 from ddtree_ops.multinode import deploy_server, rollback_server
 from ddtree_ops.results import Outcome
 from ddtree_ops.rollback import rollback_host
 from ddtree_ops.rollout import Target
 from ddtree_ops.runbook import DeployOptions
-from ddtree_ops.testing.fake_host import DFLASH_UNIT, FAKE_CRASH, FAKE_HANG, UPSTREAM_BYTES, UPSTREAM_REL
+from ddtree_ops.testing.fake_host import DFLASH_UNIT, FAKE_CRASH, FAKE_HANG, UPSTREAM_BYTES, UPSTREAM_REL, fake_hosts
 from fast_kit import PROBE_REL
 
 OPTS = DeployOptions(reconnect_s=5)
@@ -257,3 +265,109 @@ class _Recorder(list):
     def append(self, item: str) -> None:
         super().append(item)
         self.shared.append(f"{self.host}: {item}")
+
+
+# ---------------------------------------------------------------------------------------------
+# one transaction scope: a fault at ANY remote call (issue 11, deliverable 1)
+
+
+def _calls_of_a_clean_deploy(tmp_path, ps) -> int:
+    probe = fake_hosts(tmp_path / "count")[0]
+    deploy_host(probe.session(), ps, OPTS)
+    return probe.calls
+
+
+def _units(fake) -> dict[str, tuple[str, str]]:
+    return {n: (u.active, u.enabled) for n, u in fake.units.items()}
+
+
+@pytest.mark.parametrize("kind", ["fail", "drop"])
+def test_a_fault_at_any_remote_call_of_a_deploy_ends_on_one_release_or_exit_4(tmp_path, patchset, kind):
+    n = _calls_of_a_clean_deploy(tmp_path, patchset)
+    assert n > 20  # the deploy really makes that many remote calls
+    seen = set()
+    for k in range(1, n + 1):
+        fake = fake_hosts(tmp_path / f"{kind}{k}")[0]
+        before, units_before = snapshot(fake), _units(fake)
+        fake.fault_at_call = (kind, k)
+        try:
+            r = deploy_host(fake.session(), patchset, OPTS)
+        except DdtreeOpsError as e:
+            code, result = e.exit_code, getattr(e, "result", None)
+        else:
+            code, result = 0, r
+        fake.fault_at_call = None
+        journal = fake.session().store.facts([])["journal"]
+        where = f"fault ({kind}) at call {k} ({fake.events[k - 1]}): exit {code}"
+        if code == 0:  # the fault hit housekeeping after the commit: committed, and it says so
+            assert current(fake) == result.release and fake.units[fake.host.unit].active == "active", where
+            assert journal is None, where
+        elif code == 4:
+            assert journal and journal.get("step"), where
+        else:
+            assert snapshot(fake) == before and _units(fake) == units_before, where
+            assert current(fake) is None and journal is None, where
+            assert code in (1, 2, 3, 5), where
+        seen.add(code)
+    assert 3 in seen and 0 in seen  # faults after the first change were rolled back; housekeeping kept
+
+
+@pytest.mark.parametrize("node", [0, 1])
+def test_a_fault_at_any_remote_call_of_a_multinode_deploy_rolls_every_node_back_or_exits_4(tmp_path, patchset, node):
+    counting = fake_hosts(tmp_path / "count", 2, multinode=True)
+    target = Target("server1", tuple(n.host for n in counting))
+    deploy_server(target, patchset, OPTS, connect=_connect(counting), report=lambda h, m: None)
+    n_calls = counting[node].calls
+    codes = set()
+    for k in range(1, n_calls + 1):
+        nodes = fake_hosts(tmp_path / f"n{node}-{k}", 2, multinode=True)
+        before = [snapshot(n) for n in nodes]
+        nodes[node].fault_at_call = ("fail", k)
+        rows = deploy_server(Target("server1", tuple(n.host for n in nodes)), patchset, OPTS,
+                             connect=_connect(nodes), report=lambda h, m: None)
+        nodes[node].fault_at_call = None
+        where = f"fault on node {node} at call {k} ({nodes[node].events[k - 1]}): {[r.outcome for r in rows]}"
+        assert len({r.outcome for r in rows}) == 1, where  # the nodes end together
+        code = rows[0].exit_code
+        codes.add(code)
+        if code == 0:
+            assert len({current(n) for n in nodes}) == 1 and current(nodes[0]) == rows[0].release, where
+        elif code == 4:
+            assert any(n.session().store.facts([])["journal"] for n in nodes), where
+        else:
+            assert [snapshot(n) for n in nodes] == before, where
+            assert all(current(n) is None and n.session().store.facts([])["journal"] is None for n in nodes), where
+    assert 3 in codes
+
+
+def test_a_fault_at_any_remote_call_of_a_rollback_ends_on_a_release_or_exits_4(tmp_path, patchset):
+    def deployed(where):
+        fake = fake_hosts(where)[0]
+        original = snapshot(fake)
+        release = deploy_host(fake.session(), patchset, OPTS).release
+        return fake, original, release
+
+    fake, _, _ = deployed(tmp_path / "count")
+    start = fake.calls
+    rollback_host(fake.session(), None, OPTS)
+    n_calls = fake.calls - start
+    codes = set()
+    for k in range(1, n_calls + 1):
+        fake, original, release = deployed(tmp_path / f"rb{k}")
+        on_release = snapshot(fake)
+        first = len(fake.events)
+        fake.fault_at_call, fake.calls = ("fail", k), 0
+        try:
+            rollback_host(fake.session(), None, OPTS)
+            code = 0
+        except DdtreeOpsError as e:
+            code = e.exit_code
+        fake.fault_at_call = None
+        where = f"fault at rollback call {k} ({fake.events[first + k - 1]}): exit {code}"
+        codes.add(code)
+        if code == 0:
+            assert snapshot(fake) == original and current(fake) is None, where
+            assert fake.units[DFLASH_UNIT].active == "active", where
+        elif code != 4:  # refused before any change: still on the release
+            assert snapshot(fake) == on_release and current(fake) == release, where
+    assert 0 in codes and 4 in codes

@@ -81,6 +81,9 @@ class FakeHost:
         self.events: list[str] = []
         self.fail_next: dict[str, str] = {}
         self.drop_connection_at: set[str] = set()
+        # Fail the k-th remote call (1-based) of whatever runs next: ("fail"|"drop", k).
+        self.fault_at_call: tuple[str, int] | None = None
+        self.calls = 0
         self.reconnects = 0
         self.accept_lengths: dict[str, float] = {}  # per unit; 3.5 when not set
         self.boot: Callable[[FakeHost, str], str] = _fate_from_installed_files
@@ -128,6 +131,12 @@ class FakeHost:
     # -- faults ----------------------------------------------------------------------------------
     def _call(self, name: str) -> None:
         self.events.append(name)
+        self.calls += 1
+        if self.fault_at_call and self.fault_at_call[1] == self.calls:
+            kind, _ = self.fault_at_call
+            if kind == "drop":
+                raise UnreachableError(f"{self.host.name}: connection lost at call {self.calls} ({name}) (fake)")
+            raise RemoteCommandError(f"{self.host.name}: call {self.calls} ({name}) failed (fake)")
         if name in self.drop_connection_at:
             self.drop_connection_at.discard(name)
             raise UnreachableError(f"{self.host.name}: connection lost while running a command (fake)")

@@ -79,7 +79,10 @@ def recover(rb: Runbook, release: Release, exc: BaseException, opts: DeployOptio
     interrupted = isinstance(exc, KeyboardInterrupt)
     failed_step, message, log = describe_failure(rb, exc)
     if opts.no_rollback and not interrupted:
-        rb.leave_failed(release, failed_step, message)
+        try:
+            rb.leave_failed(release, failed_step, message)
+        except Exception as e:  # the journal still names the step it failed at
+            message += f" (recording the failure failed too: {e})"
         return RollbackFailed(f"{h.name}: deploy failed at {failed_step}: {message}; left as is because of "
                               f"--no-rollback. Run `ddtree-ops rollback --limit {h.name}` to restore the "
                               f"previous release.")

@@ -11,8 +11,9 @@ import re
 
 # Launch flags whose value is a secret.
 SECRET_FLAGS = ("--api-key", "--admin-api-key", "--hf-token", "--token")
-# A variable or option whose name contains one of these words holds a secret.
-SECRET_NAME_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD")
+# A variable or option holds a secret when one of the words of its name (split at `_` and `-`)
+# is, or ends with, one of these: API_KEY, HF_TOKEN, APIKEY, DB_PASSWORD; not TOKENIZERS_PARALLELISM.
+SECRET_NAME_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD")
 
 MASK = "***"
 
@@ -20,21 +21,24 @@ MASK = "***"
 # unit's EnvironmentFile=) is not a secret and stays readable.
 _FLAG_VALUE = re.compile(
     r"(%s)(=|\s+)(?!\$\{)(\"[^\"]*\"|'[^']*'|\S+)" % "|".join(re.escape(f) for f in SECRET_FLAGS))
-# `SOME_API_KEY=value` in an Environment= line or a shell-like text.
-_NAME_VALUE = re.compile(r"([A-Za-z0-9_]*(?:%s)[A-Za-z0-9_]*=)([^\"\s]+)" % "|".join(SECRET_NAME_WORDS))
+# `NAME=value` in an Environment= line or a shell-like text; a secret when NAME is one.
+_NAME_VALUE = re.compile(r"(?<![A-Za-z0-9_])([A-Za-z_][A-Za-z0-9_]*)=([^\"\s]+)")
 
 
 def is_secret_flag(flag: str) -> bool:
-    """`--api-key` or `--api-key=...`: a flag whose value must never be in argv or a unit."""
-    return flag.split("=", 1)[0] in SECRET_FLAGS
+    """`--api-key`, `--api-key=...`, or an abbreviation argparse would accept for one of them
+    (`--api-ke`, `--hf-tok`): a flag whose value must never be in argv or a unit."""
+    name = flag.split("=", 1)[0]
+    return name.startswith("--") and len(name) > 2 and any(f.startswith(name) for f in SECRET_FLAGS)
 
 
 def is_secret_name(name: str) -> bool:
     """A variable, option or field name that holds a secret (api_key, HF_TOKEN, db-password)."""
-    upper = name.upper()
-    return any(w in upper for w in SECRET_NAME_WORDS)
+    words = [w for w in re.split(r"[_\-]+", name.upper()) if w]
+    return any(w.endswith(s) for w in words for s in SECRET_NAME_WORDS)
 
 
 def redact(text: str) -> str:
     """`text` with the values of secret flags and secret-named assignments replaced by ***."""
-    return _NAME_VALUE.sub(r"\1" + MASK, _FLAG_VALUE.sub(r"\1\2" + MASK, text))
+    text = _FLAG_VALUE.sub(r"\1\2" + MASK, text)
+    return _NAME_VALUE.sub(lambda m: f"{m.group(1)}={MASK}" if is_secret_name(m.group(1)) else m.group(0), text)

@@ -2,7 +2,7 @@
 
 `ReleaseStore` speaks the agent's protocol (one JSON request, one JSON answer) through a
 transport: `SSHAgent` ships `remote_agent.py` and the request over the SSH session's stdin to the
-host's own Python (`python -c BOOTSTRAP`), so no file is left behind, no value passes through a
+host's own Python (`python -I -S -c BOOTSTRAP`), so no file is left behind, no value passes through a
 shell unquoted, and a non-root user's privileged steps run under `sudo -n` like any other
 command. A fake host (ddtree_ops.testing.fake_host) is another transport.
 """
@@ -49,6 +49,13 @@ class AgentTransport(Protocol):
         """Run one agent request; its `result`, or RemoteCommandError/UnreachableError."""
 
 
+def agent_argv(python: str) -> list[str]:
+    """How the host's Python runs the agent: isolated (-I: no PYTHONPATH, no user site, no
+    current folder) and without `site` (-S), so no `.pth` file in the venv runs as root. The agent
+    needs only the standard library."""
+    return [python, "-I", "-S", "-c", remote_agent.BOOTSTRAP]
+
+
 class SSHAgent:
     """The remote agent over SSH, run by the host's own Python."""
 
@@ -58,7 +65,7 @@ class SSHAgent:
     def call(self, request: dict[str, Any], timeout: float) -> dict[str, Any]:
         op = request["op"]
         payload = json.dumps({"agent": _AGENT_SOURCE, "request": request})
-        res = self.conn.run([self.host.python, "-c", remote_agent.BOOTSTRAP], check=False,
+        res = self.conn.run(agent_argv(self.host.python), check=False,
                             stdin=payload, timeout=timeout)
         try:
             answer = json.loads(res.stdout)

@@ -2,7 +2,7 @@
 journal and the release store. Stdlib only, Python >= 3.8, run by the SGLang venv's interpreter.
 
 The controller (release_store.py) sends this file's source plus one JSON request on stdin to
-`python -c BOOTSTRAP`; the answer is one JSON document on stdout. Nothing is pasted into a
+`python -I -S -c BOOTSTRAP`; the answer is one JSON document on stdout. Nothing is pasted into a
 shell, nothing is written in place: every file is written to a temp file in its target folder,
 fsynced and renamed over the target (Ansible's atomic_move), then the folder is fsynced.
 

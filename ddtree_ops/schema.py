@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from .redaction import is_secret_flag
+from .redaction import is_secret_flag, is_secret_name
 
 Check = Callable[[Any, Mapping[str, Any]], Any]
 
@@ -308,6 +308,9 @@ def env_mapping() -> Check:
             if isinstance(v, bool) or not isinstance(v, (str, int, float)):
                 raise Invalid(f"{k}: value must be a string or number, got {v!r}")
             sval = str(v)
+            if is_secret_name(k):
+                raise Invalid(f"{k}: looks like a secret and would land in the unit file and its backups; put "
+                              f"{k}=value in the file named by environment_file (mode 0600) instead")
             if any(ord(ch) < 32 for ch in sval) or any(ch in sval for ch in '"\\%$'):
                 raise Invalid(f"{k}: value must not contain control characters, quotes, '\\', '%' or '$'")
             out.append((k, sval))

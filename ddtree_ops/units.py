@@ -29,6 +29,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Sequence
 
 import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 from .errors import InputError
 from .inventory import Host, check_host_fields
@@ -119,7 +120,9 @@ def _check_host(host: Host) -> None:
 
 
 def _jinja_env(templates_dir: Path) -> jinja2.Environment:
-    env = jinja2.Environment(
+    # Sandboxed: a template may come from a bundle someone else built, and rendering runs on the
+    # operator's machine (also under `plan`); it may read the host's values, never call into Python.
+    env = ImmutableSandboxedEnvironment(
         loader=jinja2.FileSystemLoader(str(templates_dir)),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
@@ -147,6 +150,9 @@ def render_unit(host: Host, templates_dir: str | Path | None = None) -> str:
         raise InputError(f"{tdir / host.template}:{e.lineno}: template syntax error: {e.message}") from None
     except jinja2.UndefinedError as e:
         raise InputError(f"{tdir / host.template}: host {host.name!r}: {e.message}") from None
+    except SecurityError as e:
+        raise InputError(f"{tdir / host.template}: refused: the template reaches outside the values a unit "
+                         f"template may use ({e})") from None
 
 
 # --------------------------------------------------------------------------- verification

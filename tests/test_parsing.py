@@ -126,3 +126,49 @@ def test_the_product_has_no_import_cycles_not_even_inside_functions():
         if m not in state:
             visit(m)
     assert "ddtree_ops.deploy" in graph["ddtree_ops.fleet"]  # the graph is really read
+
+
+@pytest.mark.parametrize("flag, secret", [
+    ("--api-key", True), ("--api-ke=x", True), ("--hf-tok", True), ("--admin-api", True), ("--tok", True),
+    ("--token=t", True), ("--port", False), ("--tokenizer-path", False), ("--", False), ("-k", False),
+])
+def test_secret_flags_include_what_argparse_would_abbreviate(flag, secret):
+    assert is_secret_flag(flag) is secret
+
+
+@pytest.mark.parametrize("name, secret", [
+    ("HF_TOKEN", True), ("OPENAI_API_KEY", True), ("APIKEY", True), ("db-password", True), ("MY_SECRET", True),
+    ("TOKENIZERS_PARALLELISM", False), ("CUDA_VISIBLE_DEVICES", False), ("model_path", False),
+    ("KEYBOARD", False),
+])
+def test_secret_names_go_by_words(name, secret):
+    assert is_secret_name(name) is secret
+
+
+def test_redaction_keeps_harmless_names_readable():
+    text = 'Environment="TOKENIZERS_PARALLELISM=false" "HF_TOKEN=hf_x" "A=1"'
+    assert redact(text) == 'Environment="TOKENIZERS_PARALLELISM=false" "HF_TOKEN=***" "A=1"'
+
+
+def test_the_agent_runs_isolated_without_site_or_pythonpath(tmp_path):
+    """No sitecustomize, .pth or PYTHONPATH module runs with the agent (it runs as root)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from ddtree_ops import remote_agent
+    from ddtree_ops.release_store import agent_argv
+
+    marker = tmp_path / "ran"
+    evil = tmp_path / "evil"
+    evil.mkdir()
+    (evil / "sitecustomize.py").write_text(f"open({str(marker)!r}, 'w').write('x')\n")
+    (evil / "json.py").write_text(f"open({str(marker)!r}, 'w').write('x')\n")  # shadowing the stdlib
+    request = {"op": "history", "state_dir": str(tmp_path / "state")}
+    r = subprocess.run(agent_argv(sys.executable), input=json.dumps({"agent": open(remote_agent.__file__).read(),
+                                                                    "request": request}),
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(evil)}, cwd=evil,
+                       timeout=60)
+    assert json.loads(r.stdout)["ok"], r.stderr
+    assert not marker.exists()

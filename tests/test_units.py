@@ -371,3 +371,21 @@ def test_parse_exec_flags_returns_empty_without_ddtree_flags():
 def test_parse_exec_flags_skips_unreadable_values():
     text = "[Service]\nExecStart=/p --speculative-ddtree-budget lots --speculative-ddtree-topk-cap 2\n"
     assert parse_exec_flags(text) == {"topk_cap": 2}
+
+
+@pytest.mark.parametrize("body", [
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "{{ cycler.__init__.__globals__.os.system('touch /tmp/ddtree-ops-pwned') }}",
+    "{% set l = ['a'] %}{{ l.append('b') }}",  # even mutating its own values
+])
+def test_a_template_cannot_call_into_python(tmp_path, body):
+    """Templates may come from someone else's bundle and render on the operator's machine."""
+    from ddtree_ops.inventory import parse_inventory
+    from ddtree_ops.testing.fake_host import fake_inventory
+    from ddtree_ops.units import render_unit
+
+    (tmp_path / "evil.j2").write_text("[Service]\nExecStart=/bin/true " + body + "\n")
+    host = parse_inventory(fake_inventory(1, template="evil.j2"), "inv.yaml").hosts["fh1"]
+    with pytest.raises(InputError, match="refused: the template reaches outside"):
+        render_unit(host, tmp_path)
+    assert not Path("/tmp/ddtree-ops-pwned").exists()

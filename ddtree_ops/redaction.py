@@ -17,10 +17,11 @@ SECRET_NAME_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD")
 
 MASK = "***"
 
-# `--api-key=v`, `--api-key v`, `--api-key "v w"`. A `${VAR}` reference (the key comes from the
-# unit's EnvironmentFile=) is not a secret and stays readable.
-_FLAG_VALUE = re.compile(
-    r"(%s)(=|\s+)(?!\$\{)(\"[^\"]*\"|'[^']*'|\S+)" % "|".join(re.escape(f) for f in SECRET_FLAGS))
+# A long flag in a command line; whether it is a secret one is is_secret_flag's decision.
+_FLAG = re.compile(r"(?<![\w-])--[A-Za-z][A-Za-z0-9-]*")
+# Its value: `=v`, ` v`, ` "v w"`. A `${VAR}` reference (the key comes from the unit's
+# EnvironmentFile=) is not a secret and stays readable.
+_VALUE = re.compile(r"(=|\s+)(?!\$\{)(\"[^\"]*\"|'[^']*'|\S+)")
 # `NAME=value` in an Environment= line or a shell-like text; a secret when NAME is one.
 _NAME_VALUE = re.compile(r"(?<![A-Za-z0-9_])([A-Za-z_][A-Za-z0-9_]*)=([^\"\s]+)")
 
@@ -40,5 +41,20 @@ def is_secret_name(name: str) -> bool:
 
 def redact(text: str) -> str:
     """`text` with the values of secret flags and secret-named assignments replaced by ***."""
-    text = _FLAG_VALUE.sub(r"\1\2" + MASK, text)
+    return _redact_names(_redact_flags(text))
+
+
+def _redact_flags(text: str) -> str:
+    out, pos = [], 0
+    for flag in _FLAG.finditer(text):
+        if flag.start() < pos or not is_secret_flag(flag.group()):
+            continue
+        value = _VALUE.match(text, flag.end())
+        if value:
+            out += [text[pos:value.start(2)], MASK]
+            pos = value.end()
+    return "".join(out) + text[pos:]
+
+
+def _redact_names(text: str) -> str:
     return _NAME_VALUE.sub(lambda m: f"{m.group(1)}={MASK}" if is_secret_name(m.group(1)) else m.group(0), text)

@@ -18,7 +18,7 @@ SECRET_NAME_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD")
 MASK = "***"
 
 # A long flag in a command line; whether it is a secret one is is_secret_flag's decision.
-_FLAG = re.compile(r"(?<![\w-])--[A-Za-z][A-Za-z0-9-]*")
+_FLAG = re.compile(r"--[A-Za-z][A-Za-z0-9-]*")
 # Its value: `=v`, ` v`, ` "v w"`. A `${VAR}` reference (the key comes from the unit's
 # EnvironmentFile=) is not a secret and stays readable.
 _VALUE = re.compile(r"(=|\s+)(?!\$\{)(\"[^\"]*\"|'[^']*'|\S+)")

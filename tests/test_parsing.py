@@ -52,6 +52,7 @@ def test_probe_splits_state_pid_and_log():
     ("--hf-token t --token=u", "--hf-token *** --token=***"),
     ("--tokenizer-path /m --port 30000", "--tokenizer-path /m --port 30000"),
     ("--trust-remote-code --api-ke sk-2 --port 1", "--trust-remote-code --api-ke *** --port 1"),
+    ("---api-key sk-3", "---api-key ***"),  # a removed line of a unified diff
 ])
 def test_redact(text, expected):
     assert redact(text) == expected

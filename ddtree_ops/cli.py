@@ -7,6 +7,7 @@ Exit codes (also in the README):
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Optional
 
@@ -57,7 +58,15 @@ LIMIT_OPT = typer.Option(None, "--limit", "-l", help="Host names, group names or
 DEFAULT_PATCHSET = "ddtree-temp"
 PATCHSET_OPT = typer.Option(None, "--patchset", "-p",
                             help=f"A name under patches/ or a patch-set folder (default {DEFAULT_PATCHSET}).")
-BUNDLE_OPT = typer.Option(None, "--bundle", help="A release bundle (ddtree-ops bundle); verified before use.")
+BREAK_LOCK_OPT = typer.Option(
+    [], "--break-lock", metavar="TOKEN",
+    help="End the hold of a run that is still connected: the token its lock message shows (repeatable). A run "
+         "that was killed or lost its connection needs nothing: its lock is already free.")
+BUNDLE_OPT = typer.Option(None, "--bundle", help="A release bundle (ddtree-ops bundle); verified before use, and "
+                                                   "its signature <bundle>.sig when the inventory sets bundle_signers.")
+EXPECT_ID_OPT = typer.Option(None, "--expect-id", metavar="ID",
+                             help="With --bundle: refuse it (exit 2) unless its id, or the sha256 of the file "
+                                  "(64 hex digits), is ID.")
 
 
 def _hosts(inventory: str, limit: Optional[str], budget: Optional[int] = None, topk_cap: Optional[int] = None):
@@ -99,20 +108,49 @@ def _load_ps(patchset: str | None):
     return load_patchset(patchset or DEFAULT_PATCHSET)
 
 
-def _load_source(patchset: str | None, bundle: str | None):
-    """(patch set, opened bundle or None). A bundle is verified completely here, before any
-    connection: tampered or truncated → BundleError (exit 2)."""
-    from .errors import InputError
+@contextlib.contextmanager
+def _source(patchset: str | None, bundle: str | None, hosts, *, expect_id: str | None = None,
+            unsigned_patchset: bool = True, allow_unsigned: bool = False):
+    """(patch set, opened bundle or None) for the selected `hosts`, everything checked before any
+    connection: a bundle is verified completely (caps, names, hashes, id, `--expect-id`, and its
+    signature against the hosts' `bundle_signers`) and every host's unit renders from its
+    templates; a refusal is exit 2. The bundle's temp folder is removed when the block ends,
+    however it ends (Ctrl-C included). `unsigned_patchset`: whether a --patchset may be used
+    where the inventory requires signed bundles (deploy: only with --allow-unsigned)."""
+    from .errors import BundleError, InputError
 
-    if bundle:
-        if patchset:
-            raise InputError("give either --bundle or --patchset, not both")
-        from .bundle import open_bundle
+    if bundle and patchset:
+        raise InputError("give either --bundle or --patchset, not both")
+    if expect_id is not None and not bundle:
+        raise InputError("--expect-id checks a bundle: give --bundle too")
+    policies = list(dict.fromkeys(h.bundle_signers for h in hosts if h.bundle_signers is not None))
+    if not bundle:
+        if not (unsigned_patchset or allow_unsigned) and any(pol.required for pol in policies):
+            strict = sorted(h.name for h in hosts if h.bundle_signers and h.bundle_signers.required)
+            raise InputError(f"{', '.join(strict[:5])}{' …' if len(strict) > 5 else ''}: the inventory requires "
+                             f"signed bundles (bundle_signers.required): deploy a signed --bundle, or pass "
+                             f"--allow-unsigned to deploy the unsigned patch set {patchset or DEFAULT_PATCHSET}")
+        if allow_unsigned and any(pol.required for pol in policies):
+            _log(f"warning: --allow-unsigned: deploying the unsigned patch set {patchset or DEFAULT_PATCHSET} "
+                 f"although the inventory requires signed bundles")
+        yield _load_ps(patchset), None
+        return
+    if allow_unsigned:
+        raise InputError("--allow-unsigned is for --patchset only: a bundle is always checked against the "
+                         "inventory's bundle_signers")
+    from .bundle import open_bundle
+    from .units import render_unit
 
-        b = open_bundle(bundle)
-        _log(f"bundle {b.id} verified ({len(b.manifest['files'])} files, sha256 {b.sha256[:16]}…)")
-        return b.patchset, b
-    return _load_ps(patchset), None
+    with open_bundle(bundle, expect_id=expect_id, signers=policies) as b:
+        signed = f", {'; '.join(b.signed_by)}" if b.signed_by else (", not signed" if policies else "")
+        _log(f"bundle {b.id} verified ({len(b.manifest['files'])} files, sha256 {b.sha256[:16]}…{signed})")
+        for h in hosts:  # a template from someone else's bundle is refused here, not on a host
+            try:
+                render_unit(h, b.templates_dir)
+            except InputError as e:
+                msg = str(e).replace(str(b.templates_dir), "templates")
+                raise BundleError(" ".join(f"bundle {b.path}: host {h.name}: {msg}".split())) from None
+        yield b.patchset, b
 
 
 @app.command()
@@ -121,6 +159,7 @@ def plan(
     limit: Optional[str] = LIMIT_OPT,
     patchset: Optional[str] = PATCHSET_OPT,
     bundle: Optional[str] = BUNDLE_OPT,
+    expect_id: Optional[str] = EXPECT_ID_OPT,
     budget: Optional[int] = typer.Option(None, "--budget"),
     topk_cap: Optional[int] = typer.Option(None, "--topk-cap"),
     force: bool = typer.Option(False, "--force", help="Treat drifted files as replaceable."),
@@ -133,8 +172,11 @@ def plan(
     from .tables import print_plan
 
     def body():
-        ps, b = _load_source(patchset, bundle)
         hosts = _hosts(inventory, limit, budget, topk_cap)
+        with _source(patchset, bundle, hosts, expect_id=expect_id) as (ps, b):
+            return plan_body(ps, b, hosts)
+
+    def plan_body(ps, b, hosts):
         tdir = str(b.templates_dir) if b else None
         plans, errors = [], []
         for h in hosts:
@@ -146,6 +188,7 @@ def plan(
         if as_json:
             code = max([e["exit_code"] for e in errors] or [2 if any(p.refusals for p in plans) else 0])
             _emit_json({"ok": code == 0, "exit_code": code, "patchset": ps.label, "bundle": b.id if b else None,
+                        "bundle_sha256": b.sha256 if b else None,
                         "plans": [p.to_dict() for p in plans], "errors": errors})
         else:
             for p in plans:
@@ -202,6 +245,10 @@ def deploy(
     limit: Optional[str] = LIMIT_OPT,
     patchset: Optional[str] = PATCHSET_OPT,
     bundle: Optional[str] = BUNDLE_OPT,
+    expect_id: Optional[str] = EXPECT_ID_OPT,
+    allow_unsigned: bool = typer.Option(False, "--allow-unsigned",
+                                        help="With --patchset: deploy it although the inventory's bundle_signers "
+                                             "require signed bundles."),
     budget: Optional[int] = typer.Option(None, "--budget", help="Draft nodes per step, root excluded (1..1024)."),
     topk_cap: Optional[int] = typer.Option(None, "--topk-cap", help="Candidates per depth (1..budget)."),
     canary: int = typer.Option(1, "--canary", help="Targets deployed first; any failure there aborts the rollout."),
@@ -216,7 +263,7 @@ def deploy(
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout; logs on stderr."),
     no_rollback: bool = typer.Option(False, "--no-rollback", help="On failure leave the host as is (exit 4)."),
     force: bool = typer.Option(False, "--force", help="Replace files that drifted from what we expect."),
-    break_lock: bool = typer.Option(False, "--break-lock", help="Clear a stale deploy lock first."),
+    break_lock: list[str] = BREAK_LOCK_OPT,
     accept_new_host_keys: bool = typer.Option(False, "--accept-new-host-keys",
                                               help="Record unknown host keys (never changed ones)."),
     deadline: Optional[float] = typer.Option(None, "--deadline",
@@ -228,23 +275,25 @@ def deploy(
     from .runbook import DeployOptions
 
     def body():
-        ps, b = _load_source(patchset, bundle)
         targets, notes = _targets(inventory, limit, budget, topk_cap)
         parse_percent(max_fail)
         plan_batches(len(targets), canary=canary, batch=batch)  # bad --batch/--canary: exit 2 before connecting
+        hosts = [h for t in targets for h in t.hosts]
+        with _source(patchset, bundle, hosts, expect_id=expect_id, unsigned_patchset=False,
+                     allow_unsigned=allow_unsigned) as (ps, b):
+            return deploy_body(ps, b, targets, notes)
+
+    def deploy_body(ps, b, targets, notes):
         _confirm(yes, f"Deploy {ps.label}{' (bundle ' + b.id + ')' if b else ''} to "
                       f"{', '.join(t.name for t in targets)}?")
-        opts = DeployOptions(force=force, break_lock=break_lock, no_rollback=no_rollback,
+        opts = DeployOptions(force=force, break_tokens=tuple(break_lock), no_rollback=no_rollback,
                              command=" ".join(["ddtree-ops", *sys.argv[1:]])[:500], deadline_s=deadline,
                              bundle_id=b.id if b else None, templates_dir=str(b.templates_dir) if b else None)
-        try:
-            res = rolling_deploy(targets, ps, opts, canary=canary, batch=batch, max_fail=max_fail, forks=forks,
-                                 keep_updated=keep_updated, accept_new_host_keys=accept_new_host_keys,
-                                 progress=make_progress(), notes=notes)
-        finally:
-            if b:
-                b.close()
-        return _print_rollout(res, as_json, {"patchset": ps.label, "bundle": b.id if b else None})
+        res = rolling_deploy(targets, ps, opts, canary=canary, batch=batch, max_fail=max_fail, forks=forks,
+                             keep_updated=keep_updated, accept_new_host_keys=accept_new_host_keys,
+                             progress=make_progress(), notes=notes)
+        return _print_rollout(res, as_json, {"patchset": ps.label, "bundle": b.id if b else None,
+                                             "bundle_sha256": b.sha256 if b else None})
     _guard(body, as_json=as_json)
 
 
@@ -257,7 +306,7 @@ def rollback(
     forks: int = typer.Option(10, "--forks", help="Parallel workers (SSH connections) at most."),
     yes: bool = typer.Option(False, "--yes", "-y"),
     as_json: bool = typer.Option(False, "--json"),
-    break_lock: bool = typer.Option(False, "--break-lock"),
+    break_lock: list[str] = BREAK_LOCK_OPT,
     accept_new_host_keys: bool = typer.Option(False, "--accept-new-host-keys"),
 ):
     """Back to the previous release (or --to RELEASE|original), with the same restart and health gate,
@@ -271,7 +320,7 @@ def rollback(
         targets, notes = _targets(inventory, limit)
         plan_batches(len(targets), canary=0, batch=batch)
         _confirm(yes, f"Roll back {', '.join(t.name for t in targets)} to {to or 'the previous release'}?")
-        opts = DeployOptions(break_lock=break_lock, command=" ".join(["ddtree-ops", *sys.argv[1:]])[:500])
+        opts = DeployOptions(break_tokens=tuple(break_lock), command=" ".join(["ddtree-ops", *sys.argv[1:]])[:500])
         res = rolling_rollback(targets, to, opts, batch=batch, forks=forks, accept_new_host_keys=accept_new_host_keys,
                                progress=make_progress(), notes=notes)
         return _print_rollout(res, as_json)
@@ -311,6 +360,10 @@ def bundle_cmd(
                                  help="A packaged patch set's name (patches/ in a checkout) or a patch-set folder."),
     out: str = typer.Option("dist", "--out", help="Folder for <id>.tar.gz."),
     templates: Optional[str] = typer.Option(None, "--templates", help="Unit templates folder (default: templates/)."),
+    sign_key: Optional[str] = typer.Option(None, "--sign-key", metavar="KEY",
+                                           help="Also write <bundle>.sig: ssh-keygen -Y sign -f KEY -n "
+                                                "ddtree-ops-bundle (a private key, or a public key whose private "
+                                                "half is in ssh-agent)."),
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
 ):
     """Build an immutable release bundle (patch set + templates + manifest with every sha256 and a
@@ -318,13 +371,15 @@ def bundle_cmd(
     from .bundle import build_bundle
 
     def body():
-        b = build_bundle(patchset, out, templates)
+        b = build_bundle(patchset, out, templates, sign_key=sign_key)
+        sig = str(b.signature) if b.signature else None
         if as_json:
-            _emit_json({"ok": True, "id": b.id, "path": str(b.path), "sha256": b.sha256,
+            _emit_json({"ok": True, "id": b.id, "path": str(b.path), "sha256": b.sha256, "signature": sig,
                         "files": b.manifest["files"], "patchset": b.manifest["patchset"]})
         else:
             print(f"{b.path}")
-            _log(f"bundle {b.id}: {len(b.manifest['files'])} files, sha256 {b.sha256}")
+            _log(f"bundle {b.id}: {len(b.manifest['files'])} files, sha256 {b.sha256}"
+                 f"{', signature ' + sig if sig else ''}")
     _guard(body, as_json=as_json)
 
 

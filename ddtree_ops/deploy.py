@@ -17,8 +17,10 @@ from .errors import (
     PreflightError,
     RollbackFailed,
 )
+from .health import known_secrets
 from .patchset import PatchSet
 from .plan import HostPlan
+from .redaction import scrub, scrub_lines
 from .results import HostResult, Outcome
 from .runbook import DeployOptions, Release, Reporter, Runbook, StepFailed, quiet
 from .session import HostSession
@@ -61,14 +63,18 @@ def deploy_host(session: HostSession, ps: PatchSet, opts: DeployOptions, report:
 
 def describe_failure(rb: Runbook, exc: BaseException) -> tuple[str, str, list[str]]:
     """(failed step, message, log lines) of what ended a deploy: a failed step names itself;
-    anything else happened during the step the journal records last."""
+    anything else happened during the step the journal records last. The message and the server's
+    log lines are scrubbed (redaction.scrub: the API key the controller holds, and every
+    secret-named field such as the `'api_key': '...'` SGLang logs at start-up) before they are
+    shown, returned in JSON or recorded in the host's journal."""
     if isinstance(exc, KeyboardInterrupt):
         return f"interrupted (Ctrl-C) during {rb.last_step}", "interrupted by the operator", []
+    secrets = known_secrets(rb.host)
     if isinstance(exc, StepFailed):
-        return exc.step, str(exc), exc.log
+        return exc.step, scrub(str(exc), secrets), scrub_lines(exc.log, secrets)
     if isinstance(exc, DdtreeOpsError):
-        return rb.last_step, str(exc), []
-    return rb.last_step, f"{type(exc).__name__}: {exc}", []
+        return rb.last_step, scrub(str(exc), secrets), []
+    return rb.last_step, scrub(f"{type(exc).__name__}: {exc}", secrets), []
 
 
 def recover(rb: Runbook, release: Release, exc: BaseException, opts: DeployOptions, *, t0: float,

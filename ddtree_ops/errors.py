@@ -11,12 +11,28 @@ The CLI turns each into a message and the exit code documented in the README:
 
 from __future__ import annotations
 
+import reprlib
+from typing import Any
+
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_BAD_INPUT = 2
 EXIT_ROLLED_BACK = 3
 EXIT_NEEDS_PERSON = 4
 EXIT_LOCKED = 5
+
+
+SHOWN_MAX = 80  # characters of a value quoted in a message
+_BOUNDED = reprlib.Repr()  # a repr whose work is bounded, whatever the size of the value
+_BOUNDED.maxlevel, _BOUNDED.maxstring, _BOUNDED.maxother, _BOUNDED.maxlong = 2, SHOWN_MAX, SHOWN_MAX, SHOWN_MAX
+_BOUNDED.maxlist = _BOUNDED.maxtuple = _BOUNDED.maxdict = _BOUNDED.maxset = _BOUNDED.maxfrozenset = 30
+
+
+def shown(value: Any, limit: int = SHOWN_MAX) -> str:
+    """`value` as a message quotes it (its repr), cut to `limit` characters with an ellipsis: a
+    value from a file or a host may be megabytes long."""
+    r = repr(value[: limit + 1]) if isinstance(value, str) else _BOUNDED.repr(value)
+    return r if len(r) <= limit else r[: limit - 1] + "…"
 
 
 class DdtreeOpsError(Exception):
@@ -38,9 +54,9 @@ class InventoryError(InputError):
         self.file, self.host, self.field, self.problem = file, host, field, problem
         where = file
         if host:
-            where += f": host {host!r}"
+            where += f": host {shown(host)}"
         if field:
-            where += f": field {field!r}"
+            where += f": field {shown(field)}"
         super().__init__(f"{where}: {problem}")
 
 
@@ -88,6 +104,10 @@ class RollbackFailed(DdtreeOpsError):
     """The deploy (or rollback) failed and the host could not be restored: a person must look."""
 
     exit_code = EXIT_NEEDS_PERSON
+
+
+class CorruptJournal(RollbackFailed):
+    """The host's journal cannot be read or is not one this tool wrote: nothing is guessed."""
 
 
 class Interrupted(DdtreeOpsError):

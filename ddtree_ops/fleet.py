@@ -64,7 +64,7 @@ def rolling_deploy(targets: list[Target], ps: PatchSet, opts: DeployOptions, *, 
                    accept_new_host_keys: bool = False, connect: Callable[[Host], HostSession] | None = None,
                    progress: Progress | None = None, notes: list[str] | None = None) -> RolloutResult:
     connect = connect or ssh_connector(accept_new_host_keys)
-    revert_opts = DeployOptions(break_lock=False, command=opts.command + " (abort: rollback)")
+    revert_opts = DeployOptions(command=opts.command + " (abort: rollback)")
     return Rollout(targets, deploy_action(ps, opts, connect), kind="deploy", canary=canary, batch=batch,
                    max_fail=max_fail, forks=forks, keep_updated=keep_updated,
                    revert=rollback_action(None, revert_opts, connect), progress=progress, notes=notes).run()

@@ -1,6 +1,8 @@
 """How a rollout is shown: a live per-host table on a terminal, plain log lines otherwise.
 
 Both write to stderr only: stdout is reserved for the result (a table, or one JSON document).
+The live table takes every value as literal text (`tables.literal`): a host's message is never
+Rich markup.
 """
 
 from __future__ import annotations
@@ -48,7 +50,9 @@ class LiveProgress(Progress):
     def _table(self):
         from rich.table import Table
 
-        t = Table("host", "state", "step", "elapsed", title=(self.notes[-1] if self.notes else None),
+        from .tables import literal
+
+        t = Table("host", "state", "step", "elapsed", title=(literal(self.notes[-1]) if self.notes else None),
                   title_justify="left")
         now = time.monotonic()
         with self._lock:
@@ -58,7 +62,7 @@ class LiveProgress(Progress):
                     el = f"{(r['t1'] or now) - r['t0']:.0f} s"
                 st = r["state"]
                 style = _STYLE.get(st, "red")
-                t.add_row(name, f"[{style}]{st}[/{style}]", r["msg"][-90:], el)
+                t.add_row(literal(name), literal(st, style), literal(r["msg"][-90:]), el)
         return t
 
     def start(self, hosts, batches) -> None:
@@ -88,7 +92,9 @@ class LiveProgress(Progress):
         with self._lock:
             self.notes.append(msg)
         if self._live is not None:
-            self._live.console.log(msg)
+            from .tables import literal
+
+            self._live.console.log(literal(msg))
 
     def stop(self) -> None:
         if self._live is not None:

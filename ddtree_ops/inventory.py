@@ -20,19 +20,22 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import posixpath
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable
 
-from .errors import InputError, InventoryError
+from .errors import InputError, InventoryError, shown
 from .schema import (
     NAME_RE,
     OMIT,
+    Check,
     Field,
     Invalid,
     abs_path,
     apply,
+    boolean,
     check_int,
     env_mapping,
     env_name,
@@ -43,6 +46,7 @@ from .schema import (
     known_keys,
     launch_args,
     launch_value,
+    matching,
     module_name,
     non_empty_string,
     number_range,
@@ -52,6 +56,7 @@ from .schema import (
     unit_list,
     unit_name,
     user_name,
+    yaml_file,
 )
 from .yamlfile import YamlProblem, load_yaml
 
@@ -69,6 +74,17 @@ class HealthSettings:
     min_accept_length: float | None = None
     generate_prompt: str = "The capital of France is"
     generate_max_new_tokens: int = 8
+
+
+@dataclass(frozen=True)
+class BundleSigners:
+    """Who may sign release bundles (`bundle_signers`): checked with `ssh-keygen -Y verify -f
+    allowed_signers -I identity -n ddtree-ops-bundle`. `required`: a bundle without a good
+    signature is refused, and so is `deploy --patchset` unless --allow-unsigned."""
+
+    allowed_signers: str
+    identity: str
+    required: bool = True
 
 
 @dataclass(frozen=True)
@@ -104,6 +120,7 @@ class Host:
     min_free_mb: int
     api_key_env: str | None
     environment_file: str | None
+    secrets_config: str | None
     health: HealthSettings
     groups: tuple[str, ...] = ()
     source: str = ""
@@ -113,6 +130,7 @@ class Host:
     node_rank: int = 0
     nnodes: int = 1
     dist_init_addr: str | None = None
+    bundle_signers: BundleSigners | None = None  # None: bundle signatures are not checked
 
     @property
     def multinode(self) -> bool:
@@ -181,18 +199,91 @@ class Inventory:
 # var sets it, and, for a key that must be set, what is required. Adding a key is one row here
 # plus the Host field (tests/test_inventory.py checks that the two agree).
 
-SYSTEM_DIRS = ("/", "/etc", "/usr", "/var", "/root", "/tmp")
+# state_dir: the tool creates it mode 0700 and keeps lock, journal and backups there, so it must be
+# a directory of its own (see _state_dir): never one of these, nor a directory that contains one.
+SYSTEM_DIRS = (
+    "/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/media", "/mnt", "/opt", "/proc",
+    "/root", "/run", "/sbin", "/snap", "/srv", "/sys", "/tmp", "/usr", "/var",
+    "/etc/systemd", "/etc/systemd/system", "/etc/ssh", "/root/.ssh", "/dev/shm", "/run/user", "/run/systemd",
+    "/lib/systemd", "/lib/systemd/system", "/usr/lib/systemd", "/usr/lib/systemd/system",
+    "/usr/local/lib/systemd/system", "/usr/bin", "/usr/sbin", "/usr/lib", "/usr/lib64", "/usr/libexec",
+    "/usr/include", "/usr/share", "/usr/src", "/usr/local", "/usr/local/bin", "/usr/local/sbin", "/usr/local/lib",
+    "/usr/local/share", "/var/lib", "/var/lib/systemd", "/var/log", "/var/cache", "/var/tmp", "/var/run",
+    "/var/spool", "/var/mail", "/var/opt", "/var/local", "/var/backups",
+)
 DIST_INIT_PORT = 20000  # default port of --dist-init-addr on the rank-0 node
 _PATH, _MODEL = "an absolute path", "a model directory or a model id"  # what a required key needs
-_DEDICATED = "is a system directory; use a dedicated one such as /var/lib/ddtree-ops"
-_SECRET_HINT = ("Put KEY=value in the file named by environment_file (mode 0600) and name the variable "
-                "with api_key_env")
+_SECRET_HINT = ("Put `api-key: 'KEY'` (SGLang's --config keys are its flags without the dashes) in a YAML file "
+                "on the host, mode 0600, owned by the unit's User=, and name it with secrets_config")
+
+
+def _api_key_env() -> Check:
+    """api_key_env names the variable the controller reads the key from; the server gets it from
+    secrets_config only. Refused without secrets_config: it used to put `--api-key ${NAME}` in
+    ExecStart, and an inventory written for that must not silently deploy a server without a key."""
+    name_check = env_name("the name of the environment variable that holds the API key")
+
+    def check(value: Any, done: dict[str, Any]) -> str:
+        if done.get("secrets_config") is None:
+            raise Invalid(
+                "no longer passes the API key to the server: `--api-key ${NAME}` was expanded into its "
+                "command line, which every local user can read in /proc/PID/cmdline. Put `api-key: 'KEY'` "
+                "in a YAML file on the host (mode 0600, owned by the unit's User=) and name that file "
+                "with secrets_config (the unit passes it as `--config FILE`); api_key_env then only names "
+                "the variable in the operator's environment the health gate reads the same key from")
+        return name_check(value, done)
+    return check
+
+
+def _state_dir(value: Any, done: dict[str, Any]) -> str:
+    """A dedicated directory: absolute and normalised, at least two components deep; not a system
+    directory (SYSTEM_DIRS) nor one containing one, not a home directory, not in any
+    site-packages, and neither inside nor containing the host's site_packages or venv."""
+    path = abs_path()(value, done)
+    cut = path if len(path) <= 80 else path[:79] + "…"
+
+    def refuse(what: str) -> Invalid:
+        return Invalid(f"{cut} {what}; use a dedicated directory such as /var/lib/ddtree-ops")
+
+    def under(p: str, d: str) -> bool:  # p is d or inside it
+        return p == d or p.startswith(d.rstrip("/") + "/")
+
+    if path in SYSTEM_DIRS:
+        raise refuse("is a system directory")
+    inside = next((d for d in SYSTEM_DIRS if under(d, path)), None)
+    if inside:
+        raise refuse(f"contains the system directory {inside}")
+    parts = path.strip("/").split("/")
+    if len(parts) < 2:
+        raise refuse("is a top-level directory")
+    if parts[0] == "home" and len(parts) == 2:
+        raise refuse("is a home directory")
+    if "site-packages" in parts or "dist-packages" in parts:
+        raise refuse("is inside a Python site-packages")
+    python_dir = posixpath.dirname(done.get("python") or "")
+    venv = posixpath.dirname(python_dir) if posixpath.basename(python_dir) == "bin" else None
+    for what, d in (("site_packages", done.get("site_packages")), ("venv", venv)):
+        if d and d not in SYSTEM_DIRS:
+            if under(d, path):
+                raise refuse(f"contains the host's {what} {d}")
+            if under(path, d):
+                raise refuse(f"is inside the host's {what} {d}")
+    return path
 
 
 def _default_base_url(done: dict[str, Any]) -> str:
     address = done["address"]
     return f"http://{f'[{address}]' if ':' in address else address}:{done['port']}"
 
+
+# An OpenSSH principal as allowed_signers names it (an e-mail address, a name); never an option.
+_PRINCIPAL_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.@+-]{0,254}$")
+BUNDLE_SIGNER_FIELDS: tuple[Field, ...] = (
+    Field("allowed_signers", abs_path(expand_user=True), required="an absolute path to an allowed_signers file"),
+    Field("identity", matching(_PRINCIPAL_RE, "the signer's principal in allowed_signers ([A-Za-z0-9_.@+-])"),
+          required="the signer's principal in allowed_signers"),
+    Field("required", boolean(), True),
+)
 
 HEALTH_FIELDS: tuple[Field, ...] = (  # absent keys keep HealthSettings' defaults
     Field("load_deadline_s", number_range(1, 86400), OMIT),
@@ -213,7 +304,7 @@ HOST_FIELDS: tuple[Field, ...] = (
     Field("connect_timeout", number_range(0.5, 300), 10, attr="connect_timeout_s"),
     Field("site_packages", abs_path(), required=_PATH),
     Field("python", abs_path(), required=_PATH),
-    Field("state_dir", abs_path(not_in=SYSTEM_DIRS, why=_DEDICATED), "/var/lib/ddtree-ops", required=_PATH),
+    Field("state_dir", _state_dir, "/var/lib/ddtree-ops", required=_PATH),
     Field("unit", unit_name(service=True), "sglang-k26-ddtree.service"),
     Field("conflicts", unit_list(not_field="unit"), ()),
     Field("port", int_range(1, 65535), 30000),
@@ -231,9 +322,13 @@ HOST_FIELDS: tuple[Field, ...] = (
     Field("template", template_name(), "sglang-ddtree.service.j2"),
     Field("keep_releases", int_range(1, 100), 5),
     Field("min_free_mb", int_range(0, 10**7), 64),
-    Field("api_key_env", env_name("the name of the environment variable that holds the API key"), None),
     Field("environment_file", abs_path(), None),
+    # A YAML file on the host holding `api-key: 'KEY'` (and other secret options), passed to SGLang
+    # as `--config FILE`: the key never appears in the unit, its backups or the process list.
+    Field("secrets_config", yaml_file(), None),
+    Field("api_key_env", _api_key_env(), None),
     Field("health", table(HEALTH_FIELDS, HealthSettings), {}),
+    Field("bundle_signers", table(BUNDLE_SIGNER_FIELDS, BundleSigners), None),
     # A multi-node server: validated across its members by _resolve_servers.
     Field("multinode", None),
     Field("node_rank", None),
@@ -260,6 +355,9 @@ def load_inventory(path: str | os.PathLike) -> Inventory:
     except YamlProblem as e:
         raise InventoryError(fname, None, None, str(e)) from None
     return parse_inventory(doc, fname)
+
+
+_QUOTE_NAME = "quote it (YAML reads unquoted yes/no/on/off/true/false as booleans and 010 as the number 8)"
 
 
 def parse_inventory(doc: Any, fname: str = "<inventory>") -> Inventory:
@@ -295,7 +393,9 @@ def parse_inventory(doc: Any, fname: str = "<inventory>") -> Inventory:
         if not isinstance(hosts, dict):
             raise InventoryError(fname, None, f"group {gname}.hosts", "hosts must be a mapping of name → vars")
         for hname, hv in hosts.items():
-            hname = str(hname)
+            if not isinstance(hname, str):  # `yes:` is True, `010:` is 8
+                raise InventoryError(fname, str(hname), None, f"a host name must be a string, got {shown(hname)}: "
+                                                              f"{_QUOTE_NAME}")
             if not NAME_RE.match(hname):
                 raise InventoryError(fname, hname, None, "host names use letters, digits, '_', '.', '-' (max 64)")
             hv = hv or {}
@@ -315,7 +415,9 @@ def parse_inventory(doc: Any, fname: str = "<inventory>") -> Inventory:
         if not isinstance(children, dict):
             raise InventoryError(fname, None, f"group {gname}.children", "children must be a mapping of groups")
         for cname, cdef in children.items():
-            cname = str(cname)
+            if not isinstance(cname, str):
+                raise InventoryError(fname, None, f"group {cname}",
+                                     f"a group name must be a string, got {shown(cname)}: {_QUOTE_NAME}")
             if not NAME_RE.match(cname) or cname == "all":
                 raise InventoryError(fname, None, f"group {cname}", "invalid group name")
             members.extend(walk(cname, cdef, chain, seen + (gname,)))
@@ -372,7 +474,7 @@ def _resolve_servers(fname: str, hosts: dict[str, Host], host_chain: dict[str, l
         for g, gv in chain:
             if "multinode" in gv and not isinstance(gv["multinode"], bool):
                 raise InventoryError(fname, None, f"group {g}.vars.multinode",
-                                     f"must be true or false, got {gv['multinode']!r}")
+                                     f"must be true or false, got {shown(gv['multinode'])}")
         if "multinode" in host_vars[hname]:
             raise InventoryError(fname, hname, "multinode", "is a group var: declare the multi-node server as a group")
         declared = [(g, gv["multinode"]) for g, gv in chain if gv.get("multinode") is not None]
@@ -408,7 +510,7 @@ def _resolve_servers(fname: str, hosts: dict[str, Host], host_chain: dict[str, l
             nn = nv.get("nnodes")
             if nn is not None and (isinstance(nn, bool) or nn != n):
                 raise InventoryError(fname, hname, "nnodes",
-                                     f"must equal the number of hosts in server {g} ({n}), got {nn!r}")
+                                     f"must equal the number of hosts in server {g} ({n}), got {shown(nn)}")
         a = hosts[ranks[0]].address
         default_addr = f"[{a}]:{DIST_INIT_PORT}" if ":" in a else f"{a}:{DIST_INIT_PORT}"
         rank_of = {hname: r for r, hname in ranks.items()}
@@ -419,7 +521,7 @@ def _resolve_servers(fname: str, hosts: dict[str, Host], host_chain: dict[str, l
             m = _DIST_ADDR_RE.match(addr) if isinstance(addr, str) else None
             if not m or not 1 <= int(m.group(2)) <= 65535:
                 raise InventoryError(fname, hname, "dist_init_addr",
-                                     f"must be HOST:PORT such as 10.0.0.5:20000, got {addr!r}")
+                                     f"must be HOST:PORT such as 10.0.0.5:20000, got {shown(addr)}")
             for other in names:
                 if hosts[other].unit != h.unit:
                     raise InventoryError(fname, hname, "unit", f"all nodes of server {g} must run the same unit "

@@ -117,8 +117,9 @@ def _deploy_nodes(server: Target, nodes: list[Runbook], locks: list[LockHolder],
         problems = []
         for i in sorted(started, key=lambda i: -nodes[i].host.node_rank):  # rank 0 last
             try:
-                nodes[i].roll_back(releases[i].id, releases[i].journal, outcome=f"rolled back ({failed_step})",
-                                   failed_step=failed_step, error=message)
+                nodes[i].roll_back_reconnecting(opts.reconnect_s, releases[i].id, releases[i].journal,
+                                                outcome=f"rolled back ({failed_step})", failed_step=failed_step,
+                                                error=message)
             except Exception as re:
                 problems.append(f"{nodes[i].host.name}: {re}")
         if problems:

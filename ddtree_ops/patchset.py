@@ -39,7 +39,7 @@ from typing import Any
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from .errors import PatchSetError
+from .errors import PatchSetError, shown
 from .resources import patches_dir as default_patches_dir
 from .schema import NAME_RE
 from .yamlfile import YamlProblem, load_yaml
@@ -142,30 +142,30 @@ def _sha256_file(p: Path) -> str:
 def check_rel_path(path: Any) -> str | None:
     """None if `path` is an acceptable site-packages-relative path, else the problem."""
     if not isinstance(path, str) or not path:
-        return f"must be a non-empty string, got {path!r}"
+        return f"must be a non-empty string, got {shown(path)}"
     if any(ord(c) < 32 or ord(c) == 127 for c in path):
-        return f"must not contain control characters: {path!r}"
+        return f"must not contain control characters: {shown(path)}"
     if any(c.isspace() for c in path):
-        return f"must not contain whitespace: {path!r}"
+        return f"must not contain whitespace: {shown(path)}"
     if "\\" in path:
-        return f"must use '/' separators, not backslashes: {path!r}"
+        return f"must use '/' separators, not backslashes: {shown(path)}"
     if path.startswith("/") or re.match(r"^[A-Za-z]:", path):
-        return f"must be relative to site-packages, not absolute: {path!r}"
+        return f"must be relative to site-packages, not absolute: {shown(path)}"
     parts = path.split("/")
     if ".." in parts:
-        return f"must not contain '..' (it would escape site-packages): {path!r}"
+        return f"must not contain '..' (it would escape site-packages): {shown(path)}"
     if "." in parts or "" in parts or posixpath.normpath(path) != path:
-        return f"must be normalised (no '.', '//' or trailing '/'): {path!r}"
+        return f"must be normalised (no '.', '//' or trailing '/'): {shown(path)}"
     for part in parts:
         if not _COMPONENT_RE.match(part):
-            return f"component {part!r} has characters outside [A-Za-z0-9_.+@=,-]: {path!r}"
+            return f"component {shown(part)} has characters outside [A-Za-z0-9_.+@=,-]: {shown(path)}"
     return None
 
 
 def _resolve(ref: str, patches_dir: str | Path | None) -> tuple[Path, bool]:
     """(directory, loaded_by_name)."""
     if not isinstance(ref, str) or not ref:
-        raise PatchSetError(f"patch set reference must be a name or a directory, got {ref!r}")
+        raise PatchSetError(f"patch set reference must be a name or a directory, got {shown(ref)}")
     if "/" not in ref and os.sep not in ref and ref not in (".", "..") and NAME_RE.match(ref):
         base = Path(patches_dir) if patches_dir is not None else default_patches_dir()
         cand = base / ref
@@ -174,11 +174,11 @@ def _resolve(ref: str, patches_dir: str | Path | None) -> tuple[Path, bool]:
         if not Path(ref).is_dir():
             known = sorted(p.name for p in base.iterdir() if (p / MANIFEST).is_file()) if base.is_dir() else []
             raise PatchSetError(
-                f"no patch set named {ref!r} in {base} (known: {', '.join(known) or 'none'})"
+                f"no patch set named {shown(ref)} in {base} (known: {', '.join(known) or 'none'})"
             )
     p = Path(ref)
     if not p.is_dir():
-        raise PatchSetError(f"patch set directory {ref!r} does not exist")
+        raise PatchSetError(f"patch set directory {shown(ref)} does not exist")
     return p, False
 
 
@@ -208,32 +208,33 @@ def load_patchset(ref: str, patches_dir: str | Path | None = None) -> PatchSet:
         fail(None, "the manifest must be a mapping with name, version, sglang and files")
     unknown = sorted(str(k) for k in set(doc) - _TOP_KEYS)
     if unknown:
-        fail(f"field {unknown[0]!r}", f"unknown key; allowed: {', '.join(sorted(_TOP_KEYS))}")
+        fail(f"field {shown(unknown[0])}", f"unknown key; allowed: {', '.join(sorted(_TOP_KEYS))}")
     missing = sorted(_TOP_REQUIRED - set(doc))
     if missing:
-        fail(f"field {missing[0]!r}", "is required")
+        fail(f"field {shown(missing[0])}", "is required")
 
     name = doc["name"]
     if not isinstance(name, str) or not NAME_RE.match(name):
-        fail("field 'name'", f"must match [A-Za-z0-9][A-Za-z0-9_.-]* (max 64), got {name!r}")
+        fail("field 'name'", f"must match [A-Za-z0-9][A-Za-z0-9_.-]* (max 64), got {shown(name)}")
     if by_name and name != root.name:
-        fail("field 'name'", f"{name!r} differs from its directory name {root.name!r}")
+        fail("field 'name'", f"{shown(name)} differs from its directory name {shown(root.name)}")
 
     version = doc["version"]
     if not isinstance(version, str):
-        fail("field 'version'", f"must be a quoted PEP 440 version string such as \"1.0.0\", got {version!r}")
+        fail("field 'version'", f"must be a quoted PEP 440 version string such as \"1.0.0\", got {shown(version)}")
     try:
         Version(version)
     except InvalidVersion:
-        fail("field 'version'", f"{version!r} is not a PEP 440 version")
+        fail("field 'version'", f"{shown(version)} is not a PEP 440 version")
 
     spec_s = doc["sglang"]
     if not isinstance(spec_s, str) or not spec_s.strip():
-        fail("field 'sglang'", f"must be a quoted PEP 440 specifier such as \"==0.5.23\", got {spec_s!r}")
+        fail("field 'sglang'", f"must be a quoted PEP 440 specifier such as \"==0.5.23\", got {shown(spec_s)}")
     try:
         spec = SpecifierSet(spec_s)
     except InvalidSpecifier:
-        fail("field 'sglang'", f"{spec_s!r} is not a PEP 440 specifier (write e.g. \"==0.5.23\" or \">=0.5.23,<0.6\")")
+        fail("field 'sglang'",
+             f"{shown(spec_s)} is not a PEP 440 specifier (write e.g. \"==0.5.23\" or \">=0.5.23,<0.6\")")
 
     description = doc.get("description")
     if description is None:
@@ -272,13 +273,13 @@ def load_patchset(ref: str, patches_dir: str | Path | None = None) -> PatchSet:
 
         action = e["action"]
         if action not in ACTIONS:
-            fail(f"{where}.action", f"must be one of {', '.join(ACTIONS)}, got {action!r}")
+            fail(f"{where}.action", f"must be one of {', '.join(ACTIONS)}, got {shown(action)}")
         base = e.get("base_sha256")
         if action == "replace":
             if base is None:
                 fail(f"{where}.base_sha256", "is required for action 'replace' (sha256 of the upstream file)")
             if not isinstance(base, str) or not _SHA_RE.match(base):
-                fail(f"{where}.base_sha256", f"must be 64 lowercase hex digits, got {base!r}")
+                fail(f"{where}.base_sha256", f"must be 64 lowercase hex digits, got {shown(base)}")
         elif "base_sha256" in e:
             fail(f"{where}.base_sha256", "is not allowed for action 'add' (there is no upstream file)")
 
@@ -287,7 +288,7 @@ def load_patchset(ref: str, patches_dir: str | Path | None = None) -> PatchSet:
             mode = DEFAULT_MODE
         else:
             if not isinstance(mode_v, str) or not _MODE_RE.match(mode_v):
-                fail(f"{where}.mode", f"must be a quoted octal string such as \"0644\", got {mode_v!r}")
+                fail(f"{where}.mode", f"must be a quoted octal string such as \"0644\", got {shown(mode_v)}")
             mode = int(mode_v, 8)
             if not mode & 0o400:
                 fail(f"{where}.mode", f"{mode_v} leaves the file unreadable to its owner")

@@ -35,3 +35,31 @@ def agent_pause_request() -> dict[str, Any]:
     if not path or os.environ.get(PAUSE_AT) != "between-files":
         return {}
     return {"test_pause": {"after": 1, "file": path}}
+
+
+# Faults at a named remote call (the sandbox half of the fault-at-every-call tests):
+# DDTREE_OPS_TEST_FAULT="<fail|drop>:<call>:<n>" makes the n-th call named <call> fail as a host
+# would report it ("fail"), or cuts the SSH connection just before it ("drop"). A call is named
+# by the agent op ("journal", "backup", "install", "release_write", "set_current", "prune", ...),
+# a unit action by its systemctl verb ("systemctl restart"), a unit probe "probe".
+FAULT = "DDTREE_OPS_TEST_FAULT"
+_seen: dict[str, int] = {}
+
+
+def call_name(request: dict[str, Any]) -> str:
+    if request.get("op") == "run":
+        return "probe" if "argvs" in request else " ".join(request["argv"][:2])
+    return str(request.get("op"))
+
+
+def fault_for(request: dict[str, Any]) -> str | None:
+    """"fail" or "drop" when this call is the one the hook names, else None."""
+    spec = os.environ.get(FAULT)
+    if not spec:
+        return None
+    kind, name, nth = spec.split(":")
+    got = call_name(request)
+    if got != name:
+        return None
+    _seen[got] = _seen.get(got, 0) + 1
+    return kind if _seen[got] == int(nth) else None

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from .inventory import Host
+from .journal import journal_problem
 from .patchset import PatchSet, check_sglang_version
 from .redaction import redact
 from .release_store import ReleaseStore
@@ -113,6 +114,10 @@ def compute_plan(host: Host, ps: PatchSet, facts: dict[str, Any], unit_new: str,
         files.append(FileChange(path, pf.path, pf.action, old, pf.sha256, status, note))
         if status == "drift" and not force:
             refusals.append(f"drift: {path} has sha256 {str(old)[:12]} ({note}); --force overrides")
+    refusals += secrets_config_refusals(host, facts)
+    journal_bad = facts.get("journal_error") or journal_problem(facts.get("journal"))
+    if journal_bad:
+        refusals.append(f"corrupt journal: {journal_bad}; see docs/guarantees.md, 'corrupt journal'")
     need_mb = sum(pf.source.stat().st_size for pf in ps.files) * 2 // (1024 * 1024) + 1
     for where, free in (facts.get("free_mb") or {}).items():
         if free < need_mb + host.min_free_mb:
@@ -129,11 +134,53 @@ def compute_plan(host: Host, ps: PatchSet, facts: dict[str, Any], unit_new: str,
     )
 
 
+def secrets_config_refusals(host: Host, facts: dict[str, Any]) -> list[str]:
+    """Why the host's secrets_config (the YAML file SGLang reads the API key from, `--config`)
+    cannot be used, from its file facts: it must exist, be a regular file (not a symlink, whose
+    target is not what was checked), be readable by its owner only, and be owned by the unit's
+    User= -- root for a root unit; a non-root User= cannot read a 0600 file root owns, and when the
+    facts carry that user's uid (`service_user_uid`) the owner must be it. Nothing of its content
+    is read here."""
+    path = host.secrets_config
+    if not path:
+        return []
+    f = (facts.get("files") or {}).get(path) or {"exists": False}
+    what = f"secrets_config {path}"
+    fix = f"(chown {host.service_user} {path}; chmod 600 {path})"
+    if not f.get("exists"):
+        return [f"{what} does not exist on the host: create it with `api-key: 'KEY'`, mode 0600, owned by "
+                f"{host.service_user} (the unit's User=), before deploying; SGLang would exit at start without it"]
+    if not f.get("is_file"):
+        return [f"{what} is not a regular file (a symlink, a folder or a device): make it a plain file {fix}"]
+    refusals = []
+    mode, uid = f.get("mode"), f.get("uid")
+    if not isinstance(mode, int) or mode & 0o077:
+        shown = f"{mode:04o}" if isinstance(mode, int) else "unknown"
+        refusals.append(f"{what} has mode {shown}: group and others must have no access, it holds the API key "
+                        f"(chmod 600 {path})")
+    if host.service_user == "root":
+        if uid != 0:
+            refusals.append(f"{what} is owned by uid {uid}, not root (the unit's User=root): its owner can "
+                            f"rewrite the server's configuration (chown root {path})")
+    elif uid == 0:
+        refusals.append(f"{what} is owned by root, but the server runs as User={host.service_user}, which "
+                        f"cannot read a 0600 file it does not own {fix}")
+    elif facts.get("service_user_uid") is not None and uid != facts["service_user_uid"]:
+        refusals.append(f"{what} is owned by uid {uid}, not by {host.service_user} (uid "
+                        f"{facts['service_user_uid']}), the unit's User= {fix}")
+    elif isinstance(mode, int) and not mode & 0o400:
+        refusals.append(f"{what} has mode {mode:04o}: its owner {host.service_user} cannot read it {fix}")
+    return refusals
+
+
 def read_host(session: HostReader, ps: PatchSet) -> dict[str, Any]:
     """Everything the plan needs, read in two round trips. `unit_states` keeps the whole state of
-    each unit (the deploy records it as what to restore); the plan reads only `units`."""
+    each unit (the deploy records it as what to restore); the plan reads only `units`. The
+    secrets_config file is asked for with the patch set's files, as a secret path: the agent
+    reports its mode and owner only, and no hash of it leaves the host."""
     host = session.host
-    facts = session.store.facts([target_path(host, pf.path) for pf in ps.files])
+    paths = [target_path(host, pf.path) for pf in ps.files]
+    facts = session.store.facts(paths, [host.secrets_config] if host.secrets_config else [])
     facts["unit_states"] = session.services.states((host.unit, *host.conflicts))
     facts["units"] = {u: s.active for u, s in facts["unit_states"].items()}
     return facts

@@ -1,14 +1,22 @@
 """The part of a deploy that runs ON the host: file facts, backup, atomic install, restore, lock,
-journal and the release store. Stdlib only, Python >= 3.8, run by the SGLang venv's interpreter.
+journal, the release store and systemctl. Stdlib only, Python >= 3.8, run by the SGLang venv's
+interpreter.
 
-The controller (release_store.py) sends this file's source plus one JSON request on stdin to
-`python -I -S -c BOOTSTRAP`; the answer is one JSON document on stdout. Nothing is pasted into a
-shell, nothing is written in place: every file is written to a temp file in its target folder,
-fsynced and renamed over the target (Ansible's atomic_move), then the folder is fsynced.
+One process serves a whole operation (a deploy, a rollback, a status) over one SSH channel: the
+controller (release_store.py) starts `python -I -S -c BOOTSTRAP`, sends this file's source
+(10-digit length, then the bytes), then one JSON request per line; each answer is one JSON line.
+The process holds the deploy lock (`flock` on <state_dir>/deploy.lock) for as long as it lives,
+so a controller that is killed, closed or cut off frees the lock by itself: its channel closes,
+this process reads EOF and exits, and the kernel drops the flock. A controller whose network is
+gone without a FIN is noticed by the idle timeout (no request for `idle_timeout` seconds).
 
-Release store under <state_dir> (mode 0700):
-    lock/holder.json            the deploy lock (mkdir is atomic); who holds it, since when, doing what
-    journal.json                the deploy in progress: release id, step, units that were active
+Nothing is pasted into a shell, nothing is written in place: every file is written to a temp file
+in its target folder, fsynced and renamed over the target (Ansible's atomic_move), then the folder
+is fsynced.
+
+Release store under <state_dir> (mode 0700, created by this agent, marked by .ddtree-ops-state):
+    deploy.lock                 the deploy lock (flock); who holds it, since when, doing what
+    journal.json                the operation in progress: release id, step, units that were active
     current                     id of the release the host runs
     original/                   pristine state of every path any release ever touched
     releases/<id>/release.json  what the release is (patch set, budget, topk, outcome, previous)
@@ -16,19 +24,36 @@ Release store under <state_dir> (mode 0700):
 """
 
 import base64
+import errno
+import fcntl
 import hashlib
 import json
 import os
+import select
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import time
 
-BOOTSTRAP = (
-    "import sys,json;d=json.loads(sys.stdin.read());"
-    "g={'__name__':'ddtree_agent'};exec(compile(d['agent'],'ddtree_agent','exec'),g);"
-    "g['main'](d['request'])"
-)
+# Reads the agent's source from stdin without a buffered reader (the serve loop selects on fd 0
+# and must see every byte that follows), then serves requests until EOF.
+BOOTSTRAP = "\n".join([
+    "import os,sys",
+    "def r(n):",
+    " b=b''",
+    " while len(b)<n:",
+    "  c=os.read(0,n-len(b))",
+    "  if not c:sys.exit(0)",
+    "  b+=c",
+    " return b",
+    "g={'__name__':'ddtree_agent'}",
+    "exec(compile(r(int(r(10))).decode(),'ddtree_agent','exec'),g)",
+    "g['serve']()",
+])
+STATE_MARKER = ".ddtree-ops-state"
+LOCK_FILE = "deploy.lock"
 
 
 class AgentError(Exception):
@@ -53,14 +78,17 @@ def fsync_dir(path):
         os.close(fd)
 
 
-def file_facts(path):
+def file_facts(path, content=True):
+    """Mode, owner, size and (with `content`) sha256 of a path, not following a symlink. A
+    secret file is asked for without `content`: nothing derived from it leaves the host."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         return {"path": path, "exists": False}
+    is_file = os.path.isfile(path) and not os.path.islink(path)
     return {"path": path, "exists": True, "mode": st.st_mode & 0o7777, "uid": st.st_uid,
-            "gid": st.st_gid, "size": st.st_size, "sha256": sha256_file(path) if os.path.isfile(path) else None,
-            "is_file": os.path.isfile(path) and not os.path.islink(path)}
+            "gid": st.st_gid, "size": st.st_size, "sha256": sha256_file(path) if content and is_file else None,
+            "is_file": is_file}
 
 
 def atomic_write(path, data, mode, uid=None, gid=None):
@@ -118,8 +146,54 @@ def purge_bytecode(path):
 
 
 def ensure_private_dir(path):
+    """A folder of the tool's own inside the state dir (never the state dir itself)."""
     os.makedirs(path, mode=0o700, exist_ok=True)
     os.chmod(path, 0o700)
+
+
+# What an earlier ddtree-ops left in a state dir before the marker existed: adopted as ours.
+_OLD_STATE_ENTRIES = ("releases", "current", "journal.json", "original", "lock")
+
+
+def ensure_state_dir(state):
+    """Create the state dir (0700) and mark it as the tool's, or check that it is the tool's.
+
+    A directory the tool did not create is never chmodded or written: `state_dir: /var/lib` or
+    `/etc/systemd/system` must not become 0700 with a journal in it."""
+    marker = os.path.join(state, STATE_MARKER)
+    if os.path.islink(state) or (os.path.exists(state) and not os.path.isdir(state)):
+        raise AgentError("state_dir %s exists and is not a directory" % state)
+    if not os.path.exists(state):
+        parent = os.path.dirname(state.rstrip("/")) or "/"
+        os.makedirs(parent, mode=0o755, exist_ok=True)
+        os.mkdir(state, 0o700)
+        os.chmod(state, 0o700)
+        _write_marker(marker)
+        return
+    if os.path.isfile(marker):
+        return
+    entries = os.listdir(state)
+    if entries and all(e in _OLD_STATE_ENTRIES or e.startswith(".ddtree-ops.") for e in entries):
+        os.chmod(state, 0o700)  # an earlier ddtree-ops made it (and made it 0700)
+        _write_marker(marker)
+        return
+    mode = os.stat(state).st_mode & 0o777
+    if not entries and not mode & 0o077:
+        _write_marker(marker)  # an empty private folder prepared for us: adopt without chmod
+        return
+    raise AgentError("state_dir %s exists and was not created by ddtree-ops (%s, mode %04o); refusing to "
+                     "take it over. Name a dedicated directory that does not exist yet (e.g. "
+                     "/var/lib/ddtree-ops); the tool creates it with mode 0700"
+                     % (state, "%d entries" % len(entries) if entries else "empty", mode))
+
+
+def require_state_dir(state):
+    if not os.path.isfile(os.path.join(state, STATE_MARKER)):
+        raise AgentError("state_dir %s is not set up (take the deploy lock first)" % state)
+
+
+def _write_marker(marker):
+    atomic_write(marker, b"ddtree-ops state directory: release store, journal and deploy lock\n", 0o600)
 
 
 def disk_free_mb(path):
@@ -147,6 +221,7 @@ def op_facts(req):
                 except OSError:
                     pass
     files = {p: file_facts(p) for p in req.get("paths", [])}
+    files.update({p: file_facts(p, content=False) for p in req.get("secret_paths", [])})
     unit_path = req["unit_path"]
     unit_text = None
     if os.path.isfile(unit_path):
@@ -163,10 +238,22 @@ def op_facts(req):
         "unit_text": unit_text,
         "current": current,
         "current_release": current_release,
-        "journal": read_json(os.path.join(state, "journal.json")),
-        "lock": read_json(os.path.join(state, "lock", "holder.json")),
+        **_journal_facts(state),
+        "lock": lock_facts(state),
         "free_mb": {"site_packages": disk_free_mb(sp), "state_dir": disk_free_mb(state)},
     }
+
+
+def _journal_facts(state):
+    """The journal, or why it cannot be read: a truncated or foreign file is reported (the
+    controller stops with "corrupt journal"), never guessed at."""
+    path = os.path.join(state, "journal.json")
+    try:
+        return {"journal": read_json(path), "journal_error": None}
+    except (ValueError, UnicodeDecodeError) as e:
+        return {"journal": None, "journal_error": "%s is not valid JSON: %s" % (path, e)}
+    except OSError as e:
+        return {"journal": None, "journal_error": "%s cannot be read: %s" % (path, e)}
 
 
 def _current(state):
@@ -179,27 +266,162 @@ def _current(state):
 
 # ------------------------------------------------------------------------------------- lock
 
-def op_lock(req):
-    state = req["state_dir"]
-    ensure_private_dir(state)
-    lock = os.path.join(state, "lock")
-    if req.get("break"):
-        shutil.rmtree(lock, ignore_errors=True)
+def _proc_start(pid):
+    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat): a PID
+    with another start time is another process."""
     try:
-        os.mkdir(lock, 0o700)
-    except FileExistsError:
-        holder = read_json(os.path.join(lock, "holder.json")) or {"holder": "unknown (lock without holder file)"}
-        return {"acquired": False, "holder": holder}
-    atomic_json(os.path.join(lock, "holder.json"), req["holder"])
-    return {"acquired": True, "holder": req["holder"]}
+        with open("/proc/%d/stat" % pid) as fh:
+            return int(fh.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
-def op_unlock(req):
-    lock = os.path.join(req["state_dir"], "lock")
-    holder = read_json(os.path.join(lock, "holder.json")) or {}
-    if holder.get("token") != req["token"]:
-        return {"released": False, "holder": holder}
-    shutil.rmtree(lock, ignore_errors=True)
+def _read_holder(fd):
+    try:
+        data = os.pread(fd, 1 << 16, 0)
+        doc = json.loads(data.decode()) if data.strip() else {}
+        return doc if isinstance(doc, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _legacy_holder(state):
+    """A lock directory left by an earlier ddtree-ops (mkdir lock): its holder, or None."""
+    if os.path.isdir(os.path.join(state, "lock")):
+        return read_json(os.path.join(state, "lock", "holder.json")) or {"holder": "unknown (old lock directory)"}
+    return None
+
+
+def lock_facts(state):
+    """Who holds the lock, seen from outside: `held` is decided by flock, not by the file."""
+    path = os.path.join(state, LOCK_FILE)
+    legacy = _legacy_holder(state)
+    if legacy is not None:
+        return dict(legacy, held=True, legacy=True)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return None  # free (the file keeps the last holder, for the generation count)
+        except OSError:
+            return dict(_read_holder(fd), held=True)
+    finally:
+        os.close(fd)
+
+
+class LockState:
+    """The deploy lock as this process holds it: an open file description with an flock."""
+
+    def __init__(self):
+        self.fd = None
+        self.holder = None
+
+    def release(self):
+        if self.fd is not None:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_UN)
+            finally:
+                os.close(self.fd)
+        self.fd, self.holder = None, None
+
+
+def op_lock(req, lock):
+    """Take the deploy lock for this process's lifetime. `break` (the holder's token, as shown
+    to the operator) ends a holder that is still connected: its agent process is sent SIGTERM
+    (which frees its flock), and the lock is taken only if nobody else took it meanwhile, so two
+    breakers with the same token cannot both win."""
+    state = req["state_dir"]
+    ensure_state_dir(state)
+    if lock.fd is not None:
+        return {"acquired": True, "holder": lock.holder}
+    breaking = req.get("break")
+    legacy = _legacy_holder(state)
+    if legacy is not None:
+        if not breaking or legacy.get("token") != breaking:
+            return {"acquired": False, "holder": dict(legacy, held=True, legacy=True)}
+        shutil.rmtree(os.path.join(state, "lock"), ignore_errors=True)
+    fd = os.open(os.path.join(state, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        # A run that just ended (or was killed) frees the lock when its agent has read EOF and
+        # exited: a moment's grace, so that the next run does not trip over it.
+        if _try_flock(fd, wait_s=float(req.get("wait_s", 0))):
+            seen = _read_holder(fd)
+        else:
+            seen = _read_holder(fd)
+            if not breaking or seen.get("token") != breaking:
+                os.close(fd)
+                return {"acquired": False, "holder": dict(seen, held=True)}
+            _end_holder(seen)
+            taken = lambda: _read_holder(fd).get("generation") != seen.get("generation")  # noqa: E731
+            if not _try_flock(fd, wait_s=float(req.get("break_wait_s", 15)), give_up=taken):
+                now = _read_holder(fd)
+                os.close(fd)
+                return {"acquired": False, "holder": dict(now, held=True), "break_failed": True}
+            if _read_holder(fd).get("generation") != seen.get("generation"):
+                # Someone else held it between our SIGTERM and our flock: not ours to take.
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                now = _read_holder(fd)
+                os.close(fd)
+                return {"acquired": False, "holder": dict(now, held=False), "break_failed": True}
+        resume = req.get("resume_generation")
+        if resume is not None and seen.get("generation") != resume:
+            # Re-taking the lock after a lost connection: another run held it meanwhile (and may
+            # have repaired or deployed), so what this run knew about the host is stale.
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+            return {"acquired": False, "holder": dict(seen, held=False), "taken_meanwhile": True}
+        holder = dict(req["holder"], generation=int(seen.get("generation") or 0) + 1, agent_pid=os.getpid(),
+                      agent_start=_proc_start(os.getpid()), broke=breaking or None)
+        data = (json.dumps(holder, sort_keys=True) + "\n").encode()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, data, 0)
+        os.fsync(fd)
+    except BaseException:
+        if lock.fd != fd:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        raise
+    lock.fd, lock.holder = fd, holder
+    return {"acquired": True, "holder": holder}
+
+
+def _try_flock(fd, wait_s=0.0, give_up=lambda: False):
+    deadline = time.time() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise
+        if time.time() >= deadline or give_up():
+            return False
+        time.sleep(0.05)
+
+
+def _end_holder(holder):
+    """SIGTERM the holder's agent process, if it is still the same process."""
+    pid = holder.get("agent_pid")
+    if isinstance(pid, int) and pid > 1 and pid != os.getpid() and _proc_start(pid) == holder.get("agent_start"):
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except OSError:
+            pass
+
+
+def op_unlock(req, lock):
+    if lock.fd is None or (lock.holder or {}).get("token") != req["token"]:
+        return {"released": False, "holder": lock.holder}
+    done = dict(lock.holder, released_at=time.time())
+    data = (json.dumps(done, sort_keys=True) + "\n").encode()
+    os.ftruncate(lock.fd, 0)
+    os.pwrite(lock.fd, data, 0)
+    lock.release()
     return {"released": True}
 
 
@@ -214,7 +436,7 @@ def op_journal(req):
             pass
         fsync_dir(req["state_dir"])
         return {"journal": None}
-    ensure_private_dir(req["state_dir"])
+    require_state_dir(req["state_dir"])
     doc = dict(req["journal"], updated=time.time())
     atomic_json(path, doc)
     return {"journal": doc}
@@ -245,7 +467,7 @@ def op_backup(req):
     rdir = os.path.join(state, "releases", rid)
     final = os.path.join(rdir, "backup")
     partial = final + ".partial"
-    ensure_private_dir(state)
+    require_state_dir(state)
     ensure_private_dir(os.path.join(state, "releases"))
     ensure_private_dir(rdir)
     shutil.rmtree(partial, ignore_errors=True)
@@ -408,6 +630,7 @@ def op_restore(req):
 def op_release_write(req):
     """Create or update releases/<id>/release.json (merging fields)."""
     rdir = os.path.join(req["state_dir"], "releases", req["release_id"])
+    require_state_dir(req["state_dir"])
     ensure_private_dir(os.path.join(req["state_dir"], "releases"))
     ensure_private_dir(rdir)
     path = os.path.join(rdir, "release.json")
@@ -500,20 +723,139 @@ def op_verify_unit(req):
         shutil.rmtree(d, ignore_errors=True)
 
 
+# ------------------------------------------------------------------------------------- units
+
+# Only these programs, and always as an argv (no shell): the controller asks for unit states,
+# actions and log tails; it never sends a command line.
+_PROGRAMS = ("systemctl", "journalctl")
+
+
+def _run(argv, timeout):
+    if argv[0] not in _PROGRAMS:
+        raise AgentError("not a program the agent runs: %r" % argv[0])
+    try:
+        r = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           timeout=timeout)
+    except FileNotFoundError:
+        return {"rc": 127, "stdout": "", "stderr": "%s: not found" % argv[0]}
+    return {"rc": r.returncode, "stdout": r.stdout.decode("utf-8", "replace"),
+            "stderr": r.stderr.decode("utf-8", "replace")}
+
+
+def op_run(req):
+    """One systemctl/journalctl call, or several in a row (`argvs`): one round trip. The values
+    of secret-named keys in `scrub_files` (the secrets_config SGLang reads its API key from,
+    the unit's EnvironmentFile=) are replaced by *** in what goes back: SGLang logs its
+    server_args, key included, and the controller must never receive it."""
+    timeout = float(req.get("timeout", 300))
+    secrets = _secret_values(req.get("scrub_files") or [], req.get("secret_words") or [])
+    results = [_scrubbed(_run(list(a), timeout), secrets) for a in req.get("argvs") or [req["argv"]]]
+    return {"results": results} if "argvs" in req else results[0]
+
+
+def _secret_values(paths, words):
+    """Values of secret-named keys (`api-key: v`, `HF_TOKEN=v`) in the given files, longest first."""
+    values = set()
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8", errors="replace") as fh:
+                lines = fh.read(1 << 20).splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            seps = [i for i in (line.find(":"), line.find("=")) if i > 0]
+            if not seps:
+                continue
+            key, value = line[:min(seps)].strip(), line[min(seps) + 1:].strip()
+            if key.startswith("export "):
+                key = key[7:].strip()
+            if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+                value = value[1:-1]
+            name_words = [w for w in key.upper().replace("-", "_").split("_") if w]
+            if len(value) >= 4 and any(w.endswith(s) for w in name_words for s in words):
+                values.add(value)
+    return sorted(values, key=len, reverse=True)
+
+
+def _scrubbed(result, secrets):
+    for value in secrets:
+        result["stdout"] = result["stdout"].replace(value, "***")
+        result["stderr"] = result["stderr"].replace(value, "***")
+    return result
+
+
 OPS = {
     "facts": op_facts, "lock": op_lock, "unlock": op_unlock, "journal": op_journal,
     "compile": op_compile, "backup": op_backup, "install": op_install, "restore": op_restore,
     "release_write": op_release_write, "set_current": op_set_current, "history": op_history,
     "prune": op_prune, "verify_backup": op_verify_backup, "remove_partial": op_remove_partial,
-    "verify_unit": op_verify_unit,
+    "verify_unit": op_verify_unit, "run": op_run,
 }
 
 
-def main(request):
+STATEFUL = {"lock": op_lock, "unlock": op_unlock}
+
+
+class Agent:
+    """One agent process: answers requests and holds the deploy lock while it lives."""
+
+    def __init__(self):
+        self.lock = LockState()
+        self.idle_timeout = 600.0
+
+    def handle(self, request):
+        try:
+            op = request["op"]
+            if op == "hello":
+                self.idle_timeout = float(request.get("idle_timeout", self.idle_timeout))
+                result = {"pid": os.getpid(), "python": sys.version.split()[0]}
+            elif op in STATEFUL:
+                result = STATEFUL[op](request, self.lock)
+            else:
+                result = OPS[op](request)
+            return {"ok": True, "result": result}
+        except Exception as e:  # reported to the controller, which decides what it means
+            return {"ok": False, "error": "%s: %s" % (type(e).__name__, e), "errno": getattr(e, "errno", None)}
+
+    def exit(self):
+        self.lock.release()
+
+
+def serve(fd_in=0, fd_out=1):
+    """Answer one request per line until EOF, a broken pipe, SIGTERM or `idle_timeout` seconds
+    without a request; then exit, which frees the lock."""
+    agent = Agent()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    buf = b""
     try:
-        result = {"ok": True, "result": OPS[request["op"]](request)}
-    except Exception as e:  # reported to the controller, which decides what it means
-        result = {"ok": False, "error": "%s: %s" % (type(e).__name__, e),
-                  "errno": getattr(e, "errno", None)}
-    sys.stdout.write(json.dumps(result))
-    sys.stdout.flush()
+        while True:
+            nl = buf.find(b"\n")
+            if nl < 0:
+                ready, _, _ = select.select([fd_in], [], [], agent.idle_timeout)
+                if not ready:
+                    return
+                chunk = os.read(fd_in, 1 << 20)
+                if not chunk:
+                    return
+                buf += chunk
+                continue
+            line, buf = buf[:nl], buf[nl + 1:]
+            if not line.strip():
+                continue
+            try:
+                request = json.loads(line.decode())
+            except ValueError as e:
+                answer = {"ok": False, "error": "bad request: %s" % e}
+            else:
+                answer = agent.handle(request)
+            data = (json.dumps(answer) + "\n").encode()
+            try:
+                while data:
+                    data = data[os.write(fd_out, data):]
+            except OSError:
+                return
+    finally:
+        agent.exit()

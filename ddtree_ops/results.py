@@ -25,6 +25,7 @@ from .errors import (
     RollbackFailed,
     UnreachableError,
 )
+from .redaction import scrub_lines
 
 Reporter = Callable[[str, str], None]  # progress of a run: (host name, message)
 
@@ -69,8 +70,11 @@ class HostResult:
     repaired: str | None = None  # an interrupted deploy this run repaired first
 
     def to_dict(self) -> dict[str, Any]:
+        """For --json. The log lines were scrubbed where they were read (deploy.describe_failure);
+        secret-named fields are masked again here, whatever built the row."""
         d = asdict(self)
         d["outcome"] = self.outcome.value
+        d["log"] = scrub_lines(self.log)
         return d
 
 

@@ -57,7 +57,7 @@ def rollback_host(session: HostSession, to: str | None, opts: DeployOptions, rep
         if repaired:  # the host is back on what was current before that deploy; stop there
             return HostResult(h.name, Outcome.ROLLED_BACK, 0, release=repaired, steps=rb.steps,
                               seconds=time.monotonic() - t0, repaired=repaired,
-                              message=f"repaired the interrupted deploy {repaired}")
+                              message=f"repaired the interrupted operation on {repaired}")
         history = rb.store.history()
         undo = releases_to_undo(history, to, h.name)
         for rid in undo:
@@ -67,20 +67,20 @@ def rollback_host(session: HostSession, to: str | None, opts: DeployOptions, rep
                                      + "; ".join(problems))
         oldest = next(r for r in history["releases"] if r["id"] == undo[-1])
         now_on = None if to == ORIGINAL else oldest.get("previous")
+        journal = rb.begin_rollback(undo, now_on, to == ORIGINAL, oldest, lock)
+        # From the journal on, one transaction: whatever stops it (a failed step, a lost
+        # connection, a bug, Ctrl-C) leaves the journal naming the step, and the next run
+        # (`rollback` or `deploy`, no flags) finishes the rollback.
         try:
-            for rid in undo:
-                rb.step("restore", f"undoing release {rid}")
-                rb.restore_backup(rid)
-                rb.store.write_release(rid, outcome="rolled back", rolled_back_at=time.time())
-            if to == ORIGINAL:
-                rb.restore_backup(ORIGINAL)
-            rb.services.daemon_reload()
-            rb.restore_services(oldest.get("active_before") or {}, oldest.get("enabled_before") or {})
-            rb.store.set_current(now_on)
-        except Exception as e:  # whatever it was, the host is between releases now
-            what = str(e) if isinstance(e, (StepFailed, DdtreeOpsError)) else f"{type(e).__name__}: {e}"
-            raise RollbackFailed(f"{h.name}: rollback failed: {what}; a person must look") from None
+            rb.reconnecting(opts.reconnect_s, lambda: rb.finish_rollback(journal), "finish the rollback")
+        except (Exception, KeyboardInterrupt) as e:
+            what = ("interrupted (Ctrl-C)" if isinstance(e, KeyboardInterrupt) else str(e)
+                    if isinstance(e, (StepFailed, DdtreeOpsError)) else f"{type(e).__name__}: {e}")
+            raise RollbackFailed(f"{h.name}: rollback failed at {journal.get('step')}: {what}; the journal on the "
+                                 f"host records it: a person must look, then run `ddtree-ops rollback --limit "
+                                 f"{h.name}` again to finish it") from None
         return HostResult(h.name, Outcome.ROLLED_BACK, 0, release=now_on, steps=rb.steps,
-                          seconds=time.monotonic() - t0, message=f"now on {now_on or 'the original upstream files'}")
+                          seconds=time.monotonic() - t0,
+                          message="; ".join([f"now on {now_on or 'the original upstream files'}", *rb.warnings]))
     finally:
         rb.unlock(lock)

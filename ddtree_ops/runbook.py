@@ -17,13 +17,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .errors import InputError, RemoteCommandError, RollbackFailed, UnreachableError
+from .errors import CorruptJournal, InputError, RemoteCommandError, RollbackFailed, UnreachableError
 from .health import HealthFailure, health_gate, wait_until_serving
+from .journal import journal_problem
 from .patchset import PatchSet
 from .pause_points import agent_pause_request, pause
 from .plan import HostPlan, compute_plan, read_host, target_path
 from .release_store import LockHolder, b64, new_release_id
 from .results import Reporter
+from .schema import is_valid_unit_name
 from .services import UnitState
 from .session import HostSession
 from .units import render_unit, verify_command, verify_problems, verify_unit
@@ -39,7 +41,7 @@ RUNNING = ("active", "activating")
 @dataclass
 class DeployOptions:
     force: bool = False
-    break_lock: bool = False
+    break_tokens: tuple[str, ...] = ()  # --break-lock TOKEN: holders the operator chose to end
     no_rollback: bool = False
     command: str = "ddtree-ops deploy"
     deadline_s: float | None = None
@@ -98,7 +100,7 @@ class Runbook:
 
     # -- lock ------------------------------------------------------------------------------------
     def lock(self, opts: DeployOptions) -> LockHolder:
-        return self.store.acquire_lock(opts.command, break_lock=opts.break_lock)
+        return self.store.acquire_lock(opts.command, break_tokens=opts.break_tokens)
 
     def unlock(self, lock: LockHolder) -> None:
         try:
@@ -107,18 +109,39 @@ class Runbook:
             self.report(self.host.name, f"warning: could not release the deploy lock: {e}")
 
     # -- repair ----------------------------------------------------------------------------------
+    def read_journal(self) -> dict[str, Any] | None:
+        """The host's journal, checked: CorruptJournal (exit 4) for one that cannot be read or
+        that this tool did not write, since repairing from a guess could make things worse."""
+        facts = self.store.facts([])
+        problem = facts.get("journal_error") or journal_problem(facts.get("journal"))
+        if problem:
+            path = f"{self.host.state_dir}/journal.json"
+            raise CorruptJournal(
+                f"{self.host.name}: corrupt journal: {problem}. An earlier run was interrupted and the tool cannot "
+                f"tell what it changed. Check the host by hand (`ddtree-ops status --limit {self.host.name}`, "
+                f"`ddtree-ops history --host {self.host.name}`), put it right, then move the journal aside "
+                f"(`mv {path} {path}.corrupt`) and run again (see docs/guarantees.md, 'corrupt journal').")
+        return facts.get("journal")
+
     def repair_interrupted(self) -> str | None:
-        """A journal means a deploy was interrupted: roll its release back before anything else."""
-        journal = self.store.facts([]).get("journal")
+        """A journal means a deploy or a rollback was interrupted: roll that deploy back, or finish
+        that rollback, before anything else. Returns the release it was about."""
+        journal = self.read_journal()
         if not journal:
             return None
         rid = journal["release"]
-        self.step("repair", f"found an interrupted deploy of {rid} (step {journal.get('step')!r}); rolling it back")
         try:
-            self.roll_back(rid, journal, outcome=f"interrupted at {journal.get('step')}, rolled back")
+            if journal.get("kind") == "rollback":
+                self.step("repair", f"found an interrupted rollback of {', '.join(journal['undo'])} (step "
+                                    f"{journal.get('step')!r}); finishing it")
+                self.finish_rollback(journal)
+            else:
+                self.step("repair", f"found an interrupted deploy of {rid} (step {journal.get('step')!r}); "
+                                    f"rolling it back")
+                self.roll_back(rid, journal, outcome=f"interrupted at {journal.get('step')}, rolled back")
         except Exception as e:
-            raise RollbackFailed(f"{self.host.name}: repairing the interrupted deploy {rid} failed: {e}; "
-                                 f"a person must look") from None
+            raise RollbackFailed(f"{self.host.name}: repairing the interrupted {journal.get('kind', 'deploy')} of "
+                                 f"{rid} failed: {e}; a person must look") from None
         return rid
 
     # -- preflight -------------------------------------------------------------------------------
@@ -318,14 +341,19 @@ class Runbook:
     def roll_back_reconnecting(self, window_s: float, rid: str, journal: dict[str, Any], **kw: Any) -> None:
         """`roll_back`, reconnecting for up to `window_s` seconds when the SSH connection is lost
         (the rollback is idempotent, so it starts again from the beginning)."""
+        self.reconnecting(window_s, lambda: self.roll_back(rid, journal, **kw), "roll back")
+
+    def reconnecting(self, window_s: float, fn: Callable[[], Any], what: str = "carry on") -> Any:
+        """Run `fn` (idempotent), reconnecting and running it again while the connection is lost,
+        for up to `window_s` seconds. A reconnect takes the operation's lock again."""
         deadline = time.monotonic() + window_s
         while True:
             try:
-                return self.roll_back(rid, journal, **kw)
+                return fn()
             except UnreachableError as e:
                 if time.monotonic() >= deadline:
                     raise
-                self.report(self.host.name, f"connection lost ({e}); reconnecting to roll back")
+                self.report(self.host.name, f"connection lost ({e}); reconnecting to {what}")
             while True:
                 self.session.sleep(1.0)
                 try:
@@ -334,6 +362,31 @@ class Runbook:
                 except UnreachableError as e:
                     if time.monotonic() >= deadline:
                         raise UnreachableError(f"{e} (kept retrying for {window_s:g} s)") from None
+
+    def begin_rollback(self, undo: list[str], to: str | None, to_original: bool, oldest: dict[str, Any],
+                       lock: LockHolder) -> dict[str, Any]:
+        """The journal of a rollback, written before its first change: an interrupted rollback is
+        finished by the next run (every step of it can be done again)."""
+        journal = {"kind": "rollback", "release": undo[0], "undo": list(undo), "to": to, "to_original": to_original,
+                   "active_before": oldest.get("active_before") or {},
+                   "enabled_before": oldest.get("enabled_before") or {}, "holder": lock.holder, "step": "restore"}
+        self.store.journal(**journal)
+        return journal
+
+    def finish_rollback(self, journal: dict[str, Any]) -> None:
+        """Undo the journal's releases newest first, then the services, then `current`."""
+        for rid in journal["undo"]:
+            self.step("restore", f"undoing release {rid}")
+            self.restore_backup(rid)
+            self.store.write_release(rid, outcome="rolled back", rolled_back_at=time.time())
+        if journal.get("to_original"):
+            self.restore_backup("original")
+        journal["step"] = "services"
+        self.store.journal(**journal)
+        self.services.daemon_reload()
+        self.restore_services(journal["active_before"], journal["enabled_before"])
+        self.store.set_current(journal.get("to"))
+        self.store.clear_journal()
 
     def restore_backup(self, rid: str) -> None:
         """Files as release `rid` found them ('original': as before any release), byte for byte;
@@ -346,17 +399,35 @@ class Runbook:
     def restore_services(self, active_before: dict[str, str], enabled_before: dict[str, str], *,
                          untouched: bool = False) -> None:
         """Units enabled and running as they were before the release; `untouched`: the deploy
-        stopped before it stopped anything, so what still runs is not restarted, only gated."""
+        stopped before it stopped anything, so what still runs is not restarted, only gated.
+
+        The record (journal or release) decides, not today's inventory: a unit recorded but since
+        dropped from `unit`/`conflicts` is restored as recorded all the same; a unit the inventory
+        names but the record does not (added since) is left as it is, and a warning says so."""
         h = self.host
+        recorded = list(dict.fromkeys([*active_before, *enabled_before]))
+        bad = [u for u in recorded if not is_valid_unit_name(u)]
+        if bad:
+            raise StepFailed("rollback", f"the record names {str(bad[0])[:80]!r}, not a valid unit name; "
+                                         f"refusing to pass it to systemctl")
+        dropped = [u for u in recorded if u not in (h.unit, *h.conflicts)]
+        if dropped:
+            self.step("rollback: units no longer in the inventory", f"{', '.join(dropped)}: restored as recorded")
+        added = [u for u in (h.unit, *h.conflicts) if u not in recorded]
+        if added:
+            note = (f"{', '.join(added)} not in the record of the release (added to the inventory since): "
+                    f"left as {'it is' if len(added) == 1 else 'they are'}")
+            self.warnings.append(note)
+            self.step("rollback: units not recorded", note)
         was_active = [u for u, s in active_before.items() if s in RUNNING]
-        now = self.services.states((h.unit, *h.conflicts))
+        now = self.services.states(tuple(recorded)) if recorded else {}
         for u, e in enabled_before.items():
             if e == "enabled" and now[u].enabled != "enabled":
                 self.services.enable(u)
             elif e != "enabled" and now[u].enabled == "enabled":
                 self.services.disable(u)
         # Stop what was not running before, first: the units conflict on the port.
-        for u in (h.unit, *h.conflicts):
+        for u in recorded:
             if u not in was_active and now[u].active in (*RUNNING, "failed"):
                 self.services.stop(u)
         for u in was_active:

@@ -7,17 +7,22 @@ from address and port" reads them). `apply` runs a table over a mapping; the cal
 `Invalid` into its own error type with the file, host and field named (see inventory.py).
 
 Every integer range in the tool goes through `check_int` (bools are refused: YAML's `yes` is not
-a budget), so the inventory, `--budget/--topk-cap` and the render-time re-check agree.
+a budget), so the inventory, `--budget/--topk-cap` and the render-time re-check agree. Every
+string field refuses what YAML 1.1 made of an unquoted word (`no` → False, `010` → 8, `1.10` →
+1.1, `2024-01-02` → a date) with a message saying to quote it (`yaml_hint`); values quoted in
+messages are cut to 80 characters (`errors.shown`).
 """
 
 from __future__ import annotations
 
+import datetime
 import ipaddress
 import os
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
+from .errors import shown
 from .redaction import is_secret_flag, is_secret_name
 
 Check = Callable[[Any, Mapping[str, Any]], Any]
@@ -73,6 +78,23 @@ class Field:
 OMIT = object()
 
 
+def yaml_hint(value: Any) -> str:
+    """Why `value`, where a string belongs, is not one: what YAML 1.1 makes of an unquoted word."""
+    if isinstance(value, bool):
+        return " (YAML reads unquoted yes/no/on/off/true/false as a boolean: quote the value)"
+    if isinstance(value, (int, float)):
+        return (" (YAML reads an unquoted number as one: 010 is 8, 0x10 is 16, 1:30 is 90, 1.10 is 1.1: "
+                "quote the value)")
+    if isinstance(value, (datetime.date, datetime.datetime)):
+        return " (YAML reads an unquoted 2024-01-02 as a date: quote the value)"
+    return ""
+
+
+def not_string(value: Any, allowed: str) -> Invalid:
+    """The error for a value that should be a string: what is allowed, what came, and the hint."""
+    return Invalid(f"must be {allowed}, got {shown(value)}{yaml_hint(value)}")
+
+
 def apply(table: Sequence[Field], raw: Mapping[str, Any]) -> dict[str, Any]:
     """Validate `raw` with `table`, in table order: {attr or name: value}. Raises Invalid with
     `field` set to the table's field name (nested tables: 'health.load_deadline_s')."""
@@ -111,7 +133,7 @@ def check_int(value: Any, lo: int, hi: int, *, hi_label: str | None = None, note
     """`value` if it is an int (not a bool) in lo..hi, else Invalid('must be an integer lo..hi, got v')."""
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         note = f" ({note})" if note else ""
-        raise Invalid(f"must be an integer {lo}..{hi_label or hi}{note}, got {value!r}")
+        raise Invalid(f"must be an integer {lo}..{hi_label or hi}{note}, got {shown(value)}")
     return value
 
 
@@ -130,7 +152,7 @@ def number_range(lo: float, hi: float) -> Check:
 
     def check(value: Any, done: Mapping[str, Any]) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
-            raise Invalid(f"must be a number {lo}..{hi}, got {value!r}")
+            raise Invalid(f"must be a number {lo}..{hi}, got {shown(value)}")
         return float(value)
     return check
 
@@ -140,16 +162,16 @@ def number_range(lo: float, hi: float) -> Check:
 def check_path(val: str) -> str:
     """Absolute, normalised, printable, no '..' and no whitespace-control characters."""
     if not val.startswith("/"):
-        raise Invalid(f"must be an absolute path, got {val!r}")
+        raise Invalid(f"must be an absolute path, got {shown(val)}")
     if any(ord(c) < 32 or ord(c) == 127 for c in val):
-        raise Invalid(f"must not contain control characters (newline, tab, ...): {val!r}")
+        raise Invalid(f"must not contain control characters (newline, tab, ...): {shown(val)}")
     if " " in val:
-        raise Invalid(f"must not contain spaces (it travels into systemd and shell command lines): {val!r}")
+        raise Invalid(f"must not contain spaces (it travels into systemd and shell command lines): {shown(val)}")
     parts = val.split("/")
     if ".." in parts or "." in parts:
-        raise Invalid(f"must not contain '.' or '..' components: {val!r}")
+        raise Invalid(f"must not contain '.' or '..' components: {shown(val)}")
     if "//" in val or (len(val) > 1 and val.endswith("/")):
-        raise Invalid(f"must be normalised (no '//' and no trailing '/'): {val!r}")
+        raise Invalid(f"must be normalised (no '//' and no trailing '/'): {shown(val)}")
     return val
 
 
@@ -158,7 +180,7 @@ def abs_path(*, expand_user: bool = False, not_in: Sequence[str] = (), why: str 
 
     def check(value: Any, done: Mapping[str, Any]) -> str:
         if not isinstance(value, str) or not value:
-            raise Invalid(f"must be an absolute path, got {value!r}")
+            raise not_string(value, "an absolute path")
         path = check_path(os.path.expanduser(value) if expand_user else value)
         if path in not_in:
             raise Invalid(f"{path} {why}")
@@ -171,7 +193,7 @@ def matching(regex: re.Pattern, allowed: str) -> Check:
 
     def check(value: Any, done: Mapping[str, Any]) -> str:
         if not isinstance(value, str) or not regex.match(value):
-            raise Invalid(f"must be {allowed}, got {value!r}")
+            raise not_string(value, allowed)
         return value
     return check
 
@@ -197,7 +219,7 @@ def http_url() -> Check:
 
     def check(value: Any, done: Mapping[str, Any]) -> str:
         if not isinstance(value, str) or not _URL_RE.match(value):
-            raise Invalid(f"must be an http(s) URL such as http://10.0.0.5:30000, got {value!r}")
+            raise not_string(value, "an http(s) URL such as http://10.0.0.5:30000")
         return value.rstrip("/")
     return check
 
@@ -205,9 +227,11 @@ def http_url() -> Check:
 def ip_address(example: str = "0.0.0.0 or 127.0.0.1") -> Check:
     def check(value: Any, done: Mapping[str, Any]) -> str:
         try:
+            if not isinstance(value, str):  # ip_address() takes an int as an address: 0 is 0.0.0.0
+                raise TypeError
             ipaddress.ip_address(value)
         except (ValueError, TypeError):
-            raise Invalid(f"must be an IP address such as {example}, got {value!r}") from None
+            raise not_string(value, f"an IP address such as {example}") from None
         return value
     return check
 
@@ -217,12 +241,12 @@ def host_address() -> Check:
 
     def check(value: Any, done: Mapping[str, Any]) -> str:
         if not isinstance(value, str) or not value:
-            raise Invalid(f"must be an IP address or DNS name, got {value!r}")
+            raise not_string(value, "an IP address or DNS name")
         try:
             ipaddress.ip_address(value)
         except ValueError:
             if not _HOSTNAME_RE.match(value):
-                raise Invalid(f"{value!r} is neither an IP address nor a DNS name") from None
+                raise Invalid(f"{shown(value)} is neither an IP address nor a DNS name") from None
         return value
     return check
 
@@ -232,9 +256,9 @@ def launch_value() -> Check:
 
     def check(value: Any, done: Mapping[str, Any]) -> str:
         if not isinstance(value, str) or not value:
-            raise Invalid(f"must be a model directory or a model id, got {value!r}")
+            raise not_string(value, "a model directory or a model id")
         if not _ARG_RE.match(value) or ".." in value.split("/"):
-            raise Invalid(f"{value!r} must use only {_ARG_CHARS} and no '..' components")
+            raise Invalid(f"{shown(value)} must use only {_ARG_CHARS} and no '..' components")
         return value
     return check
 
@@ -244,11 +268,13 @@ def is_valid_unit_name(name: Any) -> bool:
 
 
 def check_unit(value: Any, *, service: bool = False) -> str:
+    if not isinstance(value, str):
+        raise not_string(value, "a systemd unit name such as sglang.service")
     if not is_valid_unit_name(value):
-        raise Invalid(f"{value!r} is not a valid systemd unit name (letters, digits, ':', '-', '_', '.', "
+        raise Invalid(f"{shown(value)} is not a valid systemd unit name (letters, digits, ':', '-', '_', '.', "
                       f"'\\', one '@', and a suffix such as .service)")
     if service and not value.endswith(".service"):
-        raise Invalid(f"{value!r} must be a .service unit")
+        raise Invalid(f"{shown(value)} must be a .service unit")
     return value
 
 
@@ -262,7 +288,7 @@ def unit_list(*, not_field: str | None = None) -> Check:
     def check(value: Any, done: Mapping[str, Any]) -> tuple[str, ...]:
         units = [value] if isinstance(value, str) else [] if value is None else value
         if not isinstance(units, (list, tuple)):
-            raise Invalid(f"must be a list of unit names, got {value!r}")
+            raise Invalid(f"must be a list of unit names, got {shown(value)}")
         for u in units:
             check_unit(u)
         if not_field and done[not_field] in units:
@@ -272,42 +298,68 @@ def unit_list(*, not_field: str | None = None) -> Check:
 
 
 def launch_args(secret_hint: str) -> Check:
-    """Extra launch arguments: a list of strings/numbers (or one space-separated string) with only
-    safe characters and no secret flag (`secret_hint` says where the secret goes instead)."""
+    """Extra launch arguments: a list of strings (or one space-separated string) with only safe
+    characters and no secret flag (`secret_hint` says where the secret goes instead). A number in
+    the list is refused: YAML has already turned `010` into 8 and `1.10` into 1.1."""
 
     def check(value: Any, done: Mapping[str, Any]) -> tuple[str, ...]:
         args = value.split() if isinstance(value, str) else [] if value is None else value
         if not isinstance(args, (list, tuple)):
-            raise Invalid(f"must be a list of arguments (or one space-separated string), got {value!r}")
+            raise Invalid(f"must be a list of arguments (or one space-separated string), got {shown(value)}")
         out = []
         for a in args:
-            if isinstance(a, bool) or not isinstance(a, (str, int, float)):
-                raise Invalid(f"each argument must be a string or number, got {a!r}")
-            a = str(a)
+            if not isinstance(a, str):
+                raise Invalid(f"each argument must be a string, got {shown(a)}{yaml_hint(a)}")
             if not _ARG_RE.match(a):
-                raise Invalid(f"argument {a!r} has characters outside {_ARG_CHARS}")
+                raise Invalid(f"argument {shown(a)} has characters outside {_ARG_CHARS}")
             if is_secret_flag(a):
                 raise Invalid(f"{a.split('=', 1)[0]} must not be in extra_args: it would land in the unit file, "
                               f"`systemctl show` and the process list. {secret_hint}")
+            if is_config_flag(a):
+                raise Invalid(f"{a.split('=', 1)[0]} must not be in extra_args: the unit passes SGLang's one "
+                              f"--config file itself (SGLang allows only one, and ignores `--config=FILE`). "
+                              f"{secret_hint}")
             out.append(a)
         return tuple(out)
     return check
 
 
+def is_config_flag(arg: str) -> bool:
+    """`--config`, `--config=FILE` or an abbreviation argparse would take for it (`--conf`)."""
+    name = arg.split("=", 1)[0]
+    return len(name) >= len("--conf") and "--config".startswith(name)
+
+
+def yaml_file() -> Check:
+    """An absolute path (like abs_path) ending in .yaml or .yml: SGLang's `--config` refuses any
+    other file name (sglang/srt/utils/server_args_config_parser.py, `_validate_yaml_file`)."""
+    path_check = abs_path()
+
+    def check(value: Any, done: Mapping[str, Any]) -> str:
+        path = path_check(value, done)
+        if not path.lower().endswith((".yaml", ".yml")):
+            raise Invalid(f"must name a YAML file ending in .yaml or .yml (SGLang's --config refuses others), "
+                          f"got {shown(path)}")
+        return path
+    return check
+
+
 def env_mapping() -> Check:
-    """NAME: value pairs for Environment= lines (null: none), as a tuple of (name, str(value))."""
+    """NAME: value pairs for Environment= lines (null: none), as a tuple of (name, value). Values
+    must be strings: unquoted, `CUDA_VISIBLE_DEVICES: 010` is the number 8 and `X: yes` is True."""
 
     def check(value: Any, done: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
         env = {} if value is None or value == [] else value
         if not isinstance(env, dict):
-            raise Invalid(f"must be a mapping NAME: value, got {value!r}")
+            raise Invalid(f"must be a mapping NAME: value, got {shown(value)}")
         out = []
         for k, v in env.items():
             if not isinstance(k, str) or not _ENV_NAME_RE.match(k):
-                raise Invalid(f"variable name {k!r} is not valid ([A-Za-z_][A-Za-z0-9_]*)")
-            if isinstance(v, bool) or not isinstance(v, (str, int, float)):
-                raise Invalid(f"{k}: value must be a string or number, got {v!r}")
-            sval = str(v)
+                raise Invalid(f"variable name {shown(k)} is not valid ([A-Za-z_][A-Za-z0-9_]*)")
+            if not isinstance(v, str):
+                raise Invalid(f"{k}: value must be a string, got {shown(v)}"
+                              f"{yaml_hint(v) or ' (write it in quotes)'}")
+            sval = v
             if is_secret_name(k):
                 raise Invalid(f"{k}: looks like a secret and would land in the unit file and its backups; put "
                               f"{k}=value in the file named by environment_file (mode 0600) instead")
@@ -321,7 +373,17 @@ def env_mapping() -> Check:
 def non_empty_string() -> Check:
     def check(value: Any, done: Mapping[str, Any]) -> str:
         if not isinstance(value, str) or not value:
-            raise Invalid(f"must be a non-empty string, got {value!r}")
+            raise not_string(value, "a non-empty string")
+        return value
+    return check
+
+
+def boolean() -> Check:
+    """true or false (YAML's unquoted yes/no/on/off too); never a string or a number."""
+
+    def check(value: Any, done: Mapping[str, Any]) -> bool:
+        if not isinstance(value, bool):
+            raise Invalid(f"must be true or false, got {shown(value)}")
         return value
     return check
 
@@ -338,7 +400,7 @@ def table(fields: Sequence[Field], build: Callable[..., Any]) -> Check:
     def check(value: Any, done: Mapping[str, Any]) -> Any:
         raw = {} if value is None else value
         if not isinstance(raw, dict):
-            raise Invalid(f"must be a mapping of {allowed}, got {value!r}")
+            raise Invalid(f"must be a mapping of {allowed}, got {shown(value)}")
         unknown = sorted(str(k) for k in set(raw) - known_keys(fields))
         if unknown:
             raise Invalid(f"unknown key; allowed: {allowed}", unknown[0])

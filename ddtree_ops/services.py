@@ -1,15 +1,21 @@
 """systemctl on the host: unit states, restart/stop/enable/disable, and a probe of one unit.
 
 Works with real systemd and with docker-systemctl-replacement (the sandbox), so only the
-common subset is used: `is-active`, `is-enabled`, `show -p MainPID`, `journalctl -u -n`.
+common subset is used: `show -p PROP` (several units at once), `journalctl -u -n`, and the actions.
+The host's agent runs them (argv, no shell); nothing here opens an SSH channel of its own.
 What systemctl prints is parsed by the pure functions at the top (one parser per output).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from .transport import HostConnection, shell_join
+from .errors import RemoteCommandError
+from .redaction import SECRET_NAME_WORDS
+
+if TYPE_CHECKING:
+    from .release_store import AgentTransport
 
 
 @dataclass(frozen=True)
@@ -48,42 +54,53 @@ def first_word(text: str) -> str:
     return lines[0].strip() if lines and lines[0].strip() else "unknown"
 
 
-# `states` asks for every unit in one round trip; each unit is one tab-separated line.
-STATES_SCRIPT = ('for u do a=$(systemctl is-active "$u"); e=$(systemctl is-enabled "$u"); '
-                 'p=$(systemctl show -p MainPID "$u"); printf "%s\\t%s\\t%s\\t%s\\n" "$u" "$a" "$e" "$p"; done')
+# `states` asks for every unit in one systemctl call; `show` prints one block of KEY=VALUE
+# lines per unit, blocks separated by a blank line, in the order asked.
+STATE_PROPERTIES = ("Id", "ActiveState", "UnitFileState", "MainPID")
+
+
+def states_argv(units: tuple[str, ...] | list[str]) -> list[str]:
+    return ["systemctl", "show", *[a for p in STATE_PROPERTIES for a in ("-p", p)], *units]
+
+
+def parse_show_blocks(text: str) -> list[dict[str, str]]:
+    blocks: list[dict[str, str]] = [{}]
+    for line in text.splitlines():
+        if not line.strip():
+            if blocks[-1]:
+                blocks.append({})
+            continue
+        key, sep, value = line.partition("=")
+        if sep:
+            blocks[-1][key.strip()] = value.strip()
+    return [b for b in blocks if b]
 
 
 def parse_states(text: str, units: tuple[str, ...] | list[str]) -> dict[str, UnitState]:
-    """STATES_SCRIPT's output → a state per asked unit ('unknown' for a unit it did not report)."""
-    found: dict[str, UnitState] = {}
-    for line in text.splitlines():
-        parts = line.split("\t")
-        if len(parts) != 4 or parts[0] not in units:
-            continue
-        found[parts[0]] = UnitState(parts[0], first_word(parts[1]), first_word(parts[2]), parse_main_pid(parts[3]))
-    return {u: found.get(u, UnitState(u, "unknown", "unknown", None)) for u in units}
+    """`systemctl show -p Id -p ActiveState -p UnitFileState -p MainPID U...` → a state per asked
+    unit. A block is matched by its Id where the manager prints one, else by position; a unit
+    without a block, or a property left empty (a unit that does not exist), is 'unknown'."""
+    blocks = parse_show_blocks(text)
+    by_id = {b["Id"]: b for b in blocks if b.get("Id")}
+    out = {}
+    for i, u in enumerate(units):
+        b = by_id.get(u) or (blocks[i] if len(blocks) == len(units) and not by_id else {})
+        out[u] = UnitState(u, b.get("ActiveState") or "unknown", b.get("UnitFileState") or "unknown",
+                           parse_main_pid("MainPID=" + b.get("MainPID", "")))
+    return out
 
 
-_PROBE_SEP = "@@@"
+def probe_argvs(unit: str, lines: int) -> list[list[str]]:
+    """State, MainPID and the log tail of `unit`: two programs, one round trip through the agent."""
+    return [["systemctl", "show", "-p", "ActiveState", "-p", "MainPID", unit],
+            ["journalctl", "-u", unit, "-n", str(lines), "--no-pager"]]
 
 
-def probe_command(unit: str, lines: int) -> str:
-    """is-active, MainPID and the log tail of `unit` in one shell command line."""
-    return "; ".join([
-        shell_join(["systemctl", "is-active", unit]),
-        shell_join(["echo", _PROBE_SEP]),
-        shell_join(["systemctl", "show", "-p", "MainPID", unit]),
-        shell_join(["echo", _PROBE_SEP]),
-        shell_join(["journalctl", "-u", unit, "-n", str(lines), "--no-pager"]),
-    ])
-
-
-def parse_probe(text: str) -> UnitProbe:
-    parts = text.split(_PROBE_SEP + "\n")
-    active = first_word(parts[0]) if parts else "unknown"
-    pid = parse_main_pid(parts[1]) if len(parts) > 1 else None
-    log = [ln for ln in (parts[2].splitlines() if len(parts) > 2 else []) if ln.strip()]
-    return UnitProbe(active, pid, log)
+def parse_probe(show_out: str, journal_out: str) -> UnitProbe:
+    blocks = parse_show_blocks(show_out)
+    b = blocks[0] if blocks else {}
+    log = [ln for ln in journal_out.splitlines() if ln.strip()]
+    return UnitProbe(b.get("ActiveState") or "unknown", parse_main_pid("MainPID=" + b.get("MainPID", "")), log)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -91,40 +108,51 @@ def parse_probe(text: str) -> UnitProbe:
 
 
 class Services:
-    def __init__(self, conn: HostConnection):
-        self.conn = conn
+    """The units of one host, through its agent (one process per operation runs systemctl)."""
+
+    def __init__(self, agent: AgentTransport, host_name: str, scrub_files: tuple[str, ...] = ()):
+        self.agent, self.host_name = agent, host_name
+        # Files on the host whose secret values the agent blanks out of log tails before they
+        # leave the host (SGLang logs its API key at start-up).
+        self.scrub_files = tuple(f for f in scrub_files if f)
+
+    def _run(self, argv: list[str], timeout: float = 120) -> dict:
+        return self.agent.call({"op": "run", "argv": argv, "timeout": timeout}, timeout + 30)
 
     def states(self, units: tuple[str, ...] | list[str]) -> dict[str, UnitState]:
-        """The state of several units in one round trip (each systemctl call costs one, and
-        the sandbox's Python systemctl is slow to start)."""
         units = tuple(units)
-        out = self.conn.run(["sh", "-c", STATES_SCRIPT, "sh", *units], check=False).stdout
-        return parse_states(out, units)
+        return parse_states(self._run(states_argv(units))["stdout"], units)
 
     def state(self, unit: str) -> UnitState:
         return self.states((unit,))[unit]
 
     def main_pid(self, unit: str) -> int | None:
-        return parse_main_pid(self.conn.run(["systemctl", "show", "-p", "MainPID", unit], check=False).stdout)
+        return parse_main_pid(self._run(["systemctl", "show", "-p", "MainPID", unit])["stdout"])
 
     def probe(self, unit: str, lines: int = 30) -> UnitProbe:
-        cmd = probe_command(unit, lines)
-        if self.conn.host.become:
-            cmd = "sudo -n -- sh -c " + shell_join([cmd])
-        return parse_probe(self.conn.run_shell(cmd, check=False, timeout=30).stdout)
+        show, journal = self.agent.call({"op": "run", "argvs": probe_argvs(unit, lines), "timeout": 30,
+                                         "scrub_files": list(self.scrub_files),
+                                         "secret_words": list(SECRET_NAME_WORDS)}, 60)["results"]
+        return parse_probe(show["stdout"], journal["stdout"])
+
+    def _checked(self, argv: list[str], timeout: float = 120) -> None:
+        r = self._run(argv, timeout)
+        if r["rc"] != 0:
+            raise RemoteCommandError(f"{self.host_name}: `{' '.join(argv)}` exited {r['rc']}: "
+                                     f"{(r['stderr'] or r['stdout']).strip()[-800:]}")
 
     def daemon_reload(self) -> None:
-        self.conn.run(["systemctl", "daemon-reload"])
+        self._checked(["systemctl", "daemon-reload"])
 
     def stop(self, unit: str) -> None:
-        self.conn.run(["systemctl", "stop", unit], timeout=300)
+        self._checked(["systemctl", "stop", unit], timeout=300)
 
     def restart(self, unit: str) -> None:
         # A unit that crashes at once makes restart itself fail; the health wait reports why.
-        self.conn.run(["systemctl", "restart", unit], check=False, timeout=300)
+        self._run(["systemctl", "restart", unit], timeout=300)
 
     def enable(self, unit: str) -> None:
-        self.conn.run(["systemctl", "enable", unit], check=False)
+        self._run(["systemctl", "enable", unit])
 
     def disable(self, unit: str) -> None:
-        self.conn.run(["systemctl", "disable", unit], check=False)
+        self._run(["systemctl", "disable", unit])

@@ -1,9 +1,10 @@
 """One host, connected: the noun the runbook talks to.
 
-A `HostSession` delegates to the three ways the tool touches a host: the release store (the
-remote agent: files, backups, lock, journal), the units (systemctl), and HTTP to the server
-(health, /generate). A fake host (ddtree_ops.testing.fake_host) offers the same attributes in
-memory, so the runbook's order of steps and its rollbacks are tested without hosts.
+A `HostSession` delegates to the three ways the tool touches a host: the release store (files,
+backups, lock, journal) and the units (systemctl), both through the one agent process that serves
+the operation on the host, and HTTP to the server (health, /generate). A fake host
+(ddtree_ops.testing.fake_host) offers the same attributes in memory, so the runbook's order of
+steps and its rollbacks are tested without hosts.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import httpx
 
 from .health import http_client
 from .inventory import Host
-from .release_store import ReleaseStore, SSHAgent
+from .release_store import AgentChannel, ReleaseStore
 from .services import Services
 from .transport import HostConnection
 
@@ -24,8 +25,9 @@ from .transport import HostConnection
 class HostSession:
     def __init__(self, host: Host, conn: HostConnection):
         self.host, self.conn = host, conn
-        self.store = ReleaseStore(SSHAgent(conn, host), host)
-        self.services = Services(conn)
+        self.agent = AgentChannel(conn, host)
+        self.store = ReleaseStore(self.agent, host)
+        self.services = Services(self.agent, host.name, (host.secrets_config, host.environment_file))
 
     def http(self) -> httpx.Client:
         return http_client(self.host)
@@ -34,10 +36,14 @@ class HostSession:
         time.sleep(seconds)
 
     def reconnect(self) -> None:
-        """A fresh SSH connection in place of a lost one (same host-key checks)."""
+        """A fresh SSH connection in place of a lost one (same host-key checks), a new agent, and
+        the operation's lock taken again (LockHeldError if another run took it meanwhile)."""
+        self.agent.reset()
         self.conn.reconnect()
+        self.store.relock()
 
     def close(self) -> None:
+        self.agent.close()
         self.conn.close()
 
 

@@ -2,18 +2,26 @@
 
 On a terminal long values are shortened to fit the screen; piped or in CI (no TTY) every value
 is printed whole, since that output is what a person reads afterwards in a log.
+
+Every value goes to Rich as a `Text` (`literal`), never as a markup string: what a host sends
+(error messages, log lines, unit states, release ids, the lock holder's description) is printed
+as written, so `[red]`, `[link=...]` or `:emoji:` in it is not markup, and control characters
+(ESC, CR, ...) are shown as \\xNN instead of reaching the terminal.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from .plan import HostPlan
+from .redaction import scrub_lines
 from .rollout import RolloutResult
 
 # Wide enough that Rich never wraps or cuts a cell; a table is only as wide as its content.
@@ -28,6 +36,19 @@ def console() -> Console:
     return Console() if interactive() else Console(width=_UNLIMITED, soft_wrap=True)
 
 
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def clean(value: Any) -> str:
+    """str(value) with control characters other than newline and tab shown as \\xNN."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", str(value))
+
+
+def literal(value: Any, style: str = "") -> Text:
+    """`value` as Rich prints it literally: no markup, no emoji codes, no control characters."""
+    return Text(clean(value), style=style)
+
+
 def fit(text: str, width: int) -> str:
     """`text` cut to `width` on a terminal (with an ellipsis); whole otherwise."""
     if not interactive() or len(text) <= width:
@@ -37,22 +58,24 @@ def fit(text: str, width: int) -> str:
 
 def print_plan(p: HostPlan) -> None:
     con = console()
-    con.print(f"[bold]{p.host}[/bold]: {p.patchset} (budget {p.budget}, topk cap {p.topk_cap}); "
-              f"SGLang {p.sglang_version}; current release {p.current_release or 'none'}")
+    con.print(Text.assemble(literal(p.host, "bold"), literal(
+        f": {p.patchset} (budget {p.budget}, topk cap {p.topk_cap}); SGLang {p.sglang_version}; "
+        f"current release {p.current_release or 'none'}")))
     if p.interrupted:
-        con.print(f"  interrupted deploy {p.interrupted.get('release')} at step {p.interrupted.get('step')!r}: "
-                  f"will be rolled back first")
+        con.print(literal(f"  interrupted deploy {p.interrupted.get('release')} at step "
+                          f"{p.interrupted.get('step')!r}: will be rolled back first"))
     if p.lock:
-        con.print(f"  deploy lock held: {p.lock.get('user')}@{p.lock.get('machine')} since {p.lock.get('since_utc')}")
+        con.print(literal(f"  deploy lock held: {p.lock.get('user')}@{p.lock.get('machine')} "
+                          f"since {p.lock.get('since_utc')}"))
     t = Table("file", "action", "old sha256", "new sha256", "status")
     for f in p.files:
-        t.add_row(f.rel, f.action, (f.old_sha256 or "-")[:12], f.new_sha256[:12],
-                  f.status + (f" ({f.note})" if f.note else ""))
+        t.add_row(*map(literal, (f.rel, f.action, (f.old_sha256 or "-")[:12], f.new_sha256[:12],
+                                 f.status + (f" ({f.note})" if f.note else ""))))
     con.print(t)
-    print(p.unit_diff or f"unit {p.unit_path}: unchanged")
-    print(f"stop: {', '.join(p.stop_units) or 'nothing'}; restart: {p.restart_unit}")
+    print(clean(p.unit_diff or f"unit {p.unit_path}: unchanged"))
+    print(clean(f"stop: {', '.join(p.stop_units) or 'nothing'}; restart: {p.restart_unit}"))
     for r in p.refusals:
-        con.print(f"  [red]refused[/red]: {r}", markup=True, highlight=False)
+        con.print(Text.assemble("  ", ("refused", "red"), ": ", literal(r)))
 
 
 def summary_rows(res: RolloutResult) -> list[dict[str, Any]]:
@@ -65,15 +88,16 @@ def print_rollout(res: RolloutResult) -> None:
     """The summary table, then the last log lines of each host that has some."""
     state = f"ABORTED ({res.abort_reason})" if res.aborted else "done"
     title = f"{res.action}: {state} in {res.seconds:.1f} s"
-    t = Table("host", "outcome", "release", "failed step", "seconds", "message", title=title, title_justify="left")
+    t = Table("host", "outcome", "release", "failed step", "seconds", "message", title=literal(title),
+              title_justify="left")
     for row in summary_rows(res):
-        t.add_row(row["host"], row["outcome"], row["release"] or "-", row["failed_step"] or "-",
-                  f"{row['seconds']:.1f}", fit(row["message"], 80))
+        t.add_row(*map(literal, (row["host"], row["outcome"], row["release"] or "-", row["failed_step"] or "-",
+                                 f"{row['seconds']:.1f}", fit(row["message"], 80))))
     console().print(t)
     for r in res.results:
         if r.log:
-            print(f"--- last log lines of {r.host} ---")
-            print("\n".join(r.log[-15:]))
+            print(f"--- last log lines of {clean(r.host)} ---")
+            print(clean("\n".join(scrub_lines(r.log[-15:]))))  # scrubbed when read; masked again here
     print(f"exit code {res.exit_code}")
 
 
@@ -82,22 +106,23 @@ def print_status(rows: list[dict[str, Any]]) -> None:
               "accept len")
     for r in rows:
         acc = r.get("avg_accept_length")
-        t.add_row(r["host"] + (f" ({r['server']} rank {r['node_rank']})" if r.get("server") else ""),
-                  "yes" if r["reachable"] else f"NO: {fit(r['reason'] or '', 60)}",
-                  r["release"] or "-", r["patchset"] or "-", str(r["budget"] or "-"), str(r["topk_cap"] or "-"),
-                  ", ".join(d["path"].rsplit("/", 1)[-1] for d in r["drift"]) or "none",
-                  r["active_unit"] or "none", str(r["health"]), f"{acc:.2f}" if acc is not None else "-")
+        t.add_row(*map(literal, (
+            r["host"] + (f" ({r['server']} rank {r['node_rank']})" if r.get("server") else ""),
+            "yes" if r["reachable"] else f"NO: {fit(r['reason'] or '', 60)}",
+            r["release"] or "-", r["patchset"] or "-", str(r["budget"] or "-"), str(r["topk_cap"] or "-"),
+            ", ".join(d["path"].rsplit("/", 1)[-1] for d in r["drift"]) or "none",
+            r["active_unit"] or "none", str(r["health"]), f"{acc:.2f}" if acc is not None else "-")))
     console().print(t)
     for r in rows:
         if r["reachable"] and r["reason"]:
-            print(f"{r['host']}: {r['reason']}")
+            print(clean(f"{r['host']}: {r['reason']}"))
 
 
 def print_history(hist: dict[str, Any]) -> None:
     t = Table("", "release", "created (UTC)", "patch set", "budget", "topk", "outcome")
     for r in hist["releases"]:
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r.get("created") or 0))
-        t.add_row("*" if r["id"] == hist["current"] else "", r["id"], created, str(r.get("patchset")),
-                  str(r.get("budget")), str(r.get("topk_cap")), str(r.get("outcome")))
+        t.add_row(*map(literal, ("*" if r["id"] == hist["current"] else "", r["id"], created, r.get("patchset"),
+                                 r.get("budget"), r.get("topk_cap"), r.get("outcome"))))
     console().print(t)
-    print(f"current: {hist['current'] or 'original upstream files'}")
+    print(clean(f"current: {hist['current'] or 'original upstream files'}"))

@@ -67,6 +67,19 @@ def _host_key_name(host: Host) -> str:
     return host.address if host.ssh_port == 22 else f"[{host.address}]:{host.ssh_port}"
 
 
+def connect_kwargs_for(host: Host) -> dict:
+    """Paramiko's `SSHClient.connect` arguments: `connect_timeout` (seconds, a float: 0.5 is half a
+    second) bounds the TCP connect (`timeout`), the SSH banner and the authentication."""
+    t = float(host.connect_timeout_s)
+    kwargs: dict = {"timeout": t, "banner_timeout": t, "auth_timeout": t, "look_for_keys": False,
+                    "allow_agent": False}
+    if host.identity_file:
+        kwargs["key_filename"] = [host.identity_file]
+    else:  # fall back to the operator's default keys and agent, as ssh(1) would
+        kwargs.update(look_for_keys=True, allow_agent=True)
+    return kwargs
+
+
 class HostConnection:
     """One SSH connection to one host; use as a context manager."""
 
@@ -75,16 +88,15 @@ class HostConnection:
 
         self.host = host
         self.accept_new = accept_new_host_keys
-        connect_kwargs = {"look_for_keys": False, "allow_agent": False,
-                          "banner_timeout": host.connect_timeout_s, "auth_timeout": host.connect_timeout_s}
-        if host.identity_file:
-            connect_kwargs["key_filename"] = [host.identity_file]
-        else:  # fall back to the operator's default keys and agent, as ssh(1) would
-            connect_kwargs.update(look_for_keys=True, allow_agent=True)
+        connect_kwargs = connect_kwargs_for(host)
+        # The timeout goes to Paramiko in connect_kwargs, never as Fabric's `connect_timeout`:
+        # Fabric's Connection.__init__ does `connect_timeout = int(connect_timeout)` (fabric 3.2,
+        # connection.py) and Connection.open passes it on only `if self.connect_timeout`, so 0.5
+        # became 0 and then no timeout at all (and 1.9 became 1). `timeouts.connect: None` keeps
+        # Fabric from setting one of its own, which it would refuse next to ours.
         self._make = lambda: Connection(
-            host=host.address, user=host.ssh_user, port=host.ssh_port,
-            connect_timeout=host.connect_timeout_s, connect_kwargs=dict(connect_kwargs),
-            config=Config(overrides={"load_ssh_configs": False}),
+            host=host.address, user=host.ssh_user, port=host.ssh_port, connect_kwargs=dict(connect_kwargs),
+            config=Config(overrides={"load_ssh_configs": False, "timeouts": {"connect": None}}),
         )
         self._conn = self._make()
 
@@ -120,7 +132,7 @@ class HostConnection:
                 raise UnreachableError(f"{self.host.name}: SSH authentication failed for {self.host.ssh_user}@"
                                        f"{self.host.address}: {e}") from None
             raise UnreachableError(f"{self.host.name}: SSH to {self.host.address}:{self.host.ssh_port} "
-                                   f"failed: {e}") from None
+                                   f"failed: {e} (connect_timeout {self.host.connect_timeout_s:g} s)") from None
         except (socket.timeout, TimeoutError):
             raise UnreachableError(f"{self.host.name}: connection to {self.host.address}:{self.host.ssh_port} "
                                    f"timed out after {self.host.connect_timeout_s:g} s") from None
@@ -154,6 +166,19 @@ class HostConnection:
         if sudo and self.host.become:
             cmd = "sudo -n -- " + cmd
         return self.run_shell(cmd, check=check, timeout=timeout, stdin=stdin)
+
+    def start(self, argv: Sequence[str | int | os.PathLike], *, sudo: bool = True) -> paramiko.Channel:
+        """Start argv on the host and return its channel (stdin/stdout stay open): for a process
+        that serves many requests, such as the remote agent."""
+        cmd = shell_join(argv)
+        if sudo and self.host.become:
+            cmd = "sudo -n -- " + cmd
+        try:
+            chan = self._conn.client.get_transport().open_session(timeout=self.host.connect_timeout_s)
+            chan.exec_command(cmd)
+        except (paramiko.SSHException, OSError, EOFError, AttributeError) as e:
+            raise UnreachableError(f"{self.host.name}: connection lost: {e}") from None
+        return chan
 
     def run_shell(self, command: str, *, check: bool = True, timeout: float | None = 120,
                   stdin: str | bytes | None = None) -> Result:

@@ -33,6 +33,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 from .errors import InputError
 from .inventory import Host, check_host_fields
+from .redaction import is_secret_flag
 from .resources import templates_dir as default_templates_dir
 from .schema import Invalid, is_valid_unit_name
 
@@ -143,7 +144,7 @@ def render_unit(host: Host, templates_dir: str | Path | None = None) -> str:
     context["unit_path"] = host.unit_path
     try:
         template = _jinja_env(tdir).get_template(host.template)
-        return template.render(**context)
+        text = template.render(**context)
     except jinja2.TemplateNotFound:
         raise InputError(f"host {host.name!r}: unit template {host.template!r} not found in {tdir}") from None
     except jinja2.TemplateSyntaxError as e:
@@ -153,6 +154,22 @@ def render_unit(host: Host, templates_dir: str | Path | None = None) -> str:
     except SecurityError as e:
         raise InputError(f"{tdir / host.template}: refused: the template reaches outside the values a unit "
                          f"template may use ({e})") from None
+    flags = secret_flags_in_exec(text)
+    if flags:  # e.g. a template from an older bundle that still renders `--api-key ${NAME}`
+        raise InputError(f"{tdir / host.template}: host {host.name!r}: refused: the rendered unit passes "
+                         f"{', '.join(sorted(set(flags)))} on the command line, readable by every local user "
+                         f"in /proc/PID/cmdline; the API key goes in the YAML file named by secrets_config")
+    return text
+
+
+_EXEC_LINE_RE = re.compile(r"^[ \t]*Exec[A-Za-z]*=(.*)$", re.M)
+
+
+def secret_flags_in_exec(text: str) -> list[str]:
+    """The secret flags (redaction.is_secret_flag) on the Exec*= command lines of a unit text."""
+    joined = re.sub(r"\\\n", " ", text)  # systemd's line continuation
+    return [tok.split("=", 1)[0] for m in _EXEC_LINE_RE.finditer(joined)
+            for tok in m.group(1).replace('"', " ").replace("'", " ").split() if is_secret_flag(tok)]
 
 
 # --------------------------------------------------------------------------- verification

@@ -9,6 +9,15 @@ PatchSetError) with the file named.
 The result is plain data as `yaml.safe_load` gives it (dict, list, str, int, float, bool, None;
 YAML 1.1 scalars such as dates keep their safe_load types); merge keys (`<<: *base`) work as
 usual, and a key given explicitly after a merge overrides the merged one, as YAML intends.
+
+Anchors and aliases are allowed (a group of hosts may share `<<: *defaults`) but bounded: an alias
+bomb ("billion laughs": nine aliases of nine aliases of ...) is a few hundred bytes of text that
+expands to billions of values, which is harmless while the values are shared and fatal the moment
+anything walks them (a merge key copies them, an error message quotes them). Before anything is
+constructed, the document's size *with every alias expanded* is computed (values plus characters
+of text, linear in the text) and a document larger than `MAX_EXPANDED` plus twice its own length
+is refused, naming the line of the node that crossed the bound; an alias that refers to a node
+containing itself is refused too. Keys quoted in messages are cut to 80 characters.
 """
 
 from __future__ import annotations
@@ -17,7 +26,13 @@ from typing import Any
 
 import yaml
 
-__all__ = ["YamlProblem", "load_yaml", "position"]
+from .errors import shown
+
+__all__ = ["MAX_EXPANDED", "YamlProblem", "load_yaml", "position"]
+
+# The expanded size a document may reach beyond twice its own length: each value counts 1, each
+# scalar also its length. An inventory of a thousand hosts written out in full stays far below.
+MAX_EXPANDED = 1_000_000
 
 
 def position(mark: Any) -> str:
@@ -49,7 +64,7 @@ class _StrictLoader(yaml.SafeLoader):
                 except TypeError:
                     continue  # unhashable: SafeConstructor reports it below
                 if first is not key_node.start_mark:
-                    raise YamlProblem(f"duplicate key {key!r}", key_node.start_mark,
+                    raise YamlProblem(f"duplicate key {shown(key)}", key_node.start_mark,
                                       f" (already given at {position(first)})")
         return super().construct_mapping(node, deep=deep)
 
@@ -57,12 +72,48 @@ class _StrictLoader(yaml.SafeLoader):
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _StrictLoader.construct_mapping)
 
 
+def _check_expansion(root: yaml.Node, limit: int) -> None:
+    """Refuse a node graph whose size with every alias expanded exceeds `limit`, or that contains
+    itself through an alias. Iterative and memoised: linear in the number of distinct nodes."""
+    size: dict[int, int] = {}
+    open_: set[int] = set()  # nodes whose children are being sized: meeting one again is a cycle
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        key = id(node)
+        if isinstance(node, yaml.ScalarNode):
+            size[key] = 1 + len(node.value)
+            continue
+        kids = [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else node.value
+        if children_done:
+            open_.discard(key)
+            total = 1 + sum(size[id(k)] for k in kids)
+            if total > limit:
+                raise YamlProblem("alias expansion too large", node.start_mark,
+                                  f": with its aliases expanded this value exceeds {limit:,} values and "
+                                  f"characters (an alias bomb?); write the values out instead")
+            size[key] = total
+        elif key not in size:
+            if key in open_:
+                raise YamlProblem("an alias refers to a node that contains it", node.start_mark,
+                                  ": recursive structures are not allowed")
+            open_.add(key)
+            stack.append((node, True))
+            stack.extend((k, False) for k in kids if id(k) not in size)
+
+
 def load_yaml(text: str | bytes) -> Any:
     """Parse one YAML document into plain data. Raises YamlProblem (position included)."""
     loader = None
     try:
         loader = _StrictLoader(text)  # reads the first bytes: a decoding error can come from here
-        return loader.get_single_data()
+        node = loader.get_single_node()  # composed, not constructed: aliases are still shared nodes
+        if node is None:
+            return None
+        _check_expansion(node, MAX_EXPANDED + 2 * len(text))
+        return loader.construct_document(node)
+    except RecursionError:  # thousands of nested '[': PyYAML composes recursively
+        raise YamlProblem("not valid YAML", None, ": nested too deeply") from None
     except yaml.MarkedYAMLError as e:
         problem = e.problem or e.context or "invalid YAML"
         if e.context and e.problem and e.context_mark is not None and e.problem_mark is not None:

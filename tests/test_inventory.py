@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import yaml
 
@@ -124,7 +126,7 @@ def test_sandbox_inventory_shape_round_trips_through_yaml(tmp_path):
 
 
 def test_an_api_key_in_extra_args_is_refused_with_the_way_to_do_it():
-    with pytest.raises(InventoryError, match="must not be in extra_args.*environment_file") as e:
+    with pytest.raises(InventoryError, match="must not be in extra_args.*secrets_config") as e:
         inv({"ct": {"address": "10.0.0.1", "extra_args": ["--api-key=sk-123"]}})
     assert e.value.field == "extra_args"
 
@@ -143,6 +145,20 @@ VALIDATION = [
     ("h1: {address: '10.0.0.1', site_packages: null}", "h1", "site_packages", "is required: an absolute path"),
     ("h1: {address: '10.0.0.1', state_dir: /etc}", "h1", "state_dir", "/etc is a system directory"),
     ("h1: {address: '10.0.0.1', state_dir: /var/lib//x}", "h1", "state_dir", "must be normalised"),
+    ("h1: {address: '10.0.0.1', state_dir: /var/lib}", "h1", "state_dir",
+     "/var/lib is a system directory; use a dedicated directory such as /var/lib/ddtree-ops"),
+    ("h1: {address: '10.0.0.1', state_dir: /usr/local/lib/systemd}", "h1", "state_dir",
+     "/usr/local/lib/systemd contains the system directory /usr/local/lib/systemd/system; use a dedicated"),
+    ("h1: {address: '10.0.0.1', state_dir: /etc/systemd/system}", "h1", "state_dir", "is a system directory"),
+    ("h1: {address: '10.0.0.1', state_dir: /data}", "h1", "state_dir", "/data is a top-level directory"),
+    ("h1: {address: '10.0.0.1', state_dir: /home/alice}", "h1", "state_dir", "/home/alice is a home directory"),
+    ("h1: {address: '10.0.0.1', state_dir: /srv/py/lib/python3.12/site-packages/st}", "h1", "state_dir",
+     "is inside a Python site-packages"),
+    ("h1: {address: '10.0.0.1', state_dir: /opt/v}", "h1", "state_dir",
+     "/opt/v contains the host's site_packages /opt/v/lib/site-packages"),
+    ("h1: {address: '10.0.0.1', state_dir: /opt/v/state}", "h1", "state_dir", "is inside the host's venv /opt/v"),
+    ("h1: {address: '10.0.0.1', state_dir: var/lib/ddtree-ops}", "h1", "state_dir", "must be an absolute path"),
+    ("h1: {address: '10.0.0.1', state_dir: /var/lib/./x}", "h1", "state_dir", "must not contain '.' or '..'"),
     ("h1: {address: '10.0.0.1', conflicts: sglang-k26-ddtree.service}", "h1", "conflicts",
      "cannot conflict with itself"),
     ("h1: {address: '10.0.0.1', conflicts: {a: 1}}", "h1", "conflicts", "must be a list of unit names"),
@@ -153,7 +169,27 @@ VALIDATION = [
     ("h1: {address: '10.0.0.1', tp: 1025}", "h1", "tp", "must be an integer 1..1024, got 1025"),
     ("h1: {address: '10.0.0.1', budget: 8, topk_cap: 9}", "h1", "topk_cap", "must be an integer 1..budget (8), got 9"),
     ("h1: {address: '10.0.0.1', budget: 1.5}", "h1", "budget", "must be an integer 1..1024, got 1.5"),
-    ("h1: {address: '10.0.0.1', extra_args: [[1]]}", "h1", "extra_args", "each argument must be a string or number"),
+    ("h1: {address: '10.0.0.1', extra_args: [[1]]}", "h1", "extra_args", "each argument must be a string, got [1]"),
+    # YAML 1.1 turned an unquoted word into something else: refused with the field named, saying to quote it.
+    ("h1: {address: '10.0.0.1', environment: {CUDA_VISIBLE_DEVICES: 010}}", "h1", "environment",
+     "CUDA_VISIBLE_DEVICES: value must be a string, got 8 (YAML reads an unquoted number as one: 010 is 8"),
+    ("h1: {address: '10.0.0.1', environment: {X: yes}}", "h1", "environment",
+     "X: value must be a string, got True (YAML reads unquoted yes/no/on/off/true/false as a boolean: quote"),
+    ("h1: {address: '10.0.0.1', environment: {X: 1.0}}", "h1", "environment", "X: value must be a string, got 1.0"),
+    ("h1: {address: '10.0.0.1', environment: {X: }}", "h1", "environment", "got None (write it in quotes)"),
+    ("h1: {address: '10.0.0.1', extra_args: [--max-running-requests, 010]}", "h1", "extra_args",
+     "each argument must be a string, got 8 (YAML reads an unquoted number"),
+    ("h1: {address: '10.0.0.1', unit: 123}", "h1", "unit", "must be a systemd unit name such as sglang.service, "
+                                                          "got 123 (YAML reads an unquoted number"),
+    ("h1: {address: '10.0.0.1', conflicts: [no]}", "h1", "conflicts", "got False (YAML reads unquoted yes/no"),
+    ("h1: {address: '10.0.0.1', ssh_user: no}", "h1", "ssh_user", "got False (YAML reads unquoted yes/no"),
+    ("h1: {address: '10.0.0.1', python: 3.12}", "h1", "python", "must be an absolute path, got 3.12 (YAML reads"),
+    ("h1: {address: '10.0.0.1', listen_host: 0}", "h1", "listen_host", "got 0 (YAML reads an unquoted number"),
+    ("h1: {address: '10.0.0.1', model_path: 2024-01-02}", "h1", "model_path",
+     "got datetime.date(2024, 1, 2) (YAML reads an unquoted 2024-01-02 as a date: quote"),
+    ("h1: {address: '10.0.0.1', health: {generate_prompt: off}}", "h1", "health.generate_prompt",
+     "must be a non-empty string, got False (YAML reads unquoted"),
+    ("h1: {address: 1:30}", "h1", "address", "got 90 (YAML reads an unquoted number as one"),
     ("h1: {address: '10.0.0.1', environment: [A]}", "h1", "environment", "must be a mapping NAME: value"),
     ("h1: {address: '10.0.0.1', environment: {1A: x}}", "h1", "environment", "variable name '1A' is not valid"),
     ("h1: {address: '10.0.0.1', environment: {A: '50%'}}", "h1", "environment", "must not contain"),
@@ -165,7 +201,7 @@ VALIDATION = [
     ("h1: {address: '10.0.0.1', template: unit.tmpl}", "h1", "template", "ending in .j2"),
     ("h1: {address: '10.0.0.1', keep_releases: 0}", "h1", "keep_releases", "must be an integer 1..100, got 0"),
     ("h1: {address: '10.0.0.1', min_free_mb: -1}", "h1", "min_free_mb", "must be an integer 0..10000000, got -1"),
-    ("h1: {address: '10.0.0.1', api_key_env: 1KEY}", "h1", "api_key_env",
+    ("h1: {address: '10.0.0.1', secrets_config: /etc/sglang/k.yaml, api_key_env: 1KEY}", "h1", "api_key_env",
      "the environment variable that holds the API key"),
     ("h1: {address: '10.0.0.1', environment_file: keys.env}", "h1", "environment_file", "must be an absolute path"),
     ("h1: {address: '10.0.0.1', health: 5}", "h1", "health", "must be a mapping of consecutive_successes"),
@@ -277,3 +313,77 @@ def test_one_range_check_serves_inventory_command_line_and_render(monkeypatch):
     with pytest.raises(InputError, match="field 'tp': must be an integer 1..1024, got 0"):
         render_unit(replace(h, tp=0))
     assert (0, 1, 1024) in calls
+
+
+# --------------------------------------------------------------------------- hardened input (issue 11)
+
+@pytest.mark.parametrize("state_dir", ["/var/lib/ddtree-ops", "/srv/ddtree-ops", "/opt/ddtree-ops/state",
+                                       "/home/alice/ddtree-ops", "/root/ddtree-ops", "/var/lib/ddtree-ops/ct200"])
+def test_a_dedicated_state_dir_is_accepted(state_dir):
+    assert inv({"a": {"address": "10.0.0.1", "state_dir": state_dir}}).host("a").state_dir == state_dir
+
+
+def test_every_system_directory_and_every_folder_above_one_is_refused_as_state_dir():
+    from ddtree_ops.inventory import SYSTEM_DIRS
+
+    above = {d.rsplit("/", k)[0] or "/" for d in SYSTEM_DIRS for k in range(1, d.count("/") + 1)}
+    assert {"/", "/etc", "/usr", "/usr/lib", "/var", "/var/lib", "/tmp", "/run", "/home", "/root", "/opt",
+            "/etc/systemd/system", "/usr/local/lib"} <= set(SYSTEM_DIRS) | above
+    for d in set(SYSTEM_DIRS) | above:
+        with pytest.raises(InventoryError) as e:
+            inv({"a": {"address": "10.0.0.1", "state_dir": d}})
+        assert e.value.field == "state_dir" and "use a dedicated directory such as /var/lib/ddtree-ops" in str(e.value)
+
+
+def test_state_dir_may_not_hold_or_sit_in_the_hosts_venv_or_site_packages():
+    venv = {"python": "/srv/sgl/bin/python", "site_packages": "/srv/sgl/lib/python3.12/site-packages"}
+    for d, problem in [("/srv/sgl", "contains the host's site_packages"), ("/srv/sgl/state", "inside the host's venv"),
+                       ("/srv/sgl/lib/python3.12/site-packages/x", "inside a Python site-packages")]:
+        with pytest.raises(InventoryError, match=problem):
+            inv({"a": {"address": "10.0.0.1", "state_dir": d, **venv}})
+    # An interpreter outside a venv (/usr/bin/python3) makes no folder the venv.
+    h = inv({"a": {"address": "10.0.0.1", "python": "/usr/bin/python3",
+                   "site_packages": "/usr/lib/python3/dist-packages"}}).host("a")
+    assert h.state_dir == "/var/lib/ddtree-ops"
+
+
+@pytest.mark.parametrize("field, value", [
+    ("unit", "x" * 100_000 + ".service"),
+    ("model_path", "/" + "m" * 100_000 + " space"),
+    ("budget", list(range(100_000))),
+    ("environment", {"A": ["x" * 100_000] * 1000}),
+    ("extra_args", ["--ok", "$" * 100_000]),
+    ("bogus" * 10_000, 1),
+])
+def test_a_value_quoted_in_a_message_is_cut_to_80_characters(field, value):
+    with pytest.raises(InventoryError) as e:
+        inv({"ct": {"address": "10.0.0.1", field: value}})
+    assert len(str(e.value)) < 600 and "…" in str(e.value)
+
+
+def test_a_long_host_name_is_cut_in_the_message():
+    with pytest.raises(InventoryError, match="host names use") as e:
+        inv({"h" * 100_000: {"address": "10.0.0.1"}})
+    assert len(str(e.value)) < 300 and "…" in str(e.value)
+
+
+def test_quoted_strings_where_yaml_1_1_would_guess_are_kept_as_written(tmp_path):
+    p = tmp_path / "inv.yaml"
+    p.write_text(_inventory_text("h1: {address: '10.0.0.1', environment: {CUDA_VISIBLE_DEVICES: '010', X: 'yes', "
+                                 "Y: '1.0'}, extra_args: ['--max-running-requests', '010'], ssh_user: 'no'}"))
+    h = load_inventory(p).host("h1")
+    assert h.environment == (("CUDA_VISIBLE_DEVICES", "010"), ("X", "yes"), ("Y", "1.0"))
+    assert h.extra_args == ("--max-running-requests", "010") and h.ssh_user == "no"
+
+
+@pytest.mark.parametrize("text, where, fragment", [
+    ("all:\n  hosts:\n    010: {address: 10.0.0.1}\n", "host '8'", "a host name must be a string, got 8: quote it"),
+    ("all:\n  hosts:\n    yes: {address: 10.0.0.1}\n", "host 'True'", "a host name must be a string, got True: quote"),
+    ("all:\n  children:\n    on: {hosts: {a: {address: 10.0.0.1}}}\n", "field 'group True'",
+     "a group name must be a string, got True"),
+])
+def test_a_host_or_group_name_yaml_turned_into_a_number_or_boolean_is_refused(tmp_path, text, where, fragment):
+    p = tmp_path / "inv.yaml"
+    p.write_text(text)
+    with pytest.raises(InventoryError, match=f"^{p}: {where}: {re.escape(fragment)}"):
+        load_inventory(p)

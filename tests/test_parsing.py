@@ -11,7 +11,7 @@ import pytest
 from ddtree_ops.errors import DeployFailed, HostKeyError, InputError, LockHeldError, RollbackFailed, UnreachableError
 from ddtree_ops.redaction import is_secret_flag, is_secret_name, redact
 from ddtree_ops.results import HostResult, Outcome, failed_result, overall_exit_code
-from ddtree_ops.services import STATES_SCRIPT, UnitState, parse_main_pid, parse_probe, parse_states, probe_command
+from ddtree_ops.services import UnitState, parse_main_pid, parse_probe, parse_states, probe_argvs, states_argv
 
 
 @pytest.mark.parametrize("text, pid", [
@@ -22,24 +22,28 @@ def test_main_pid(text, pid):
     assert parse_main_pid(text) == pid
 
 
-def test_states_one_line_per_unit_and_unknown_for_the_rest():
-    out = ("a.service\tactive\tenabled\tMainPID=42\n"
-           "b.service\tinactive\tdisabled\tMainPID=0\n"
-           "garbage line\n"
-           "c.service\tfailed\n")
+def test_states_one_block_per_unit_matched_by_id_and_unknown_for_the_rest():
+    out = ("Id=a.service\nMainPID=42\nActiveState=active\nUnitFileState=enabled\n\n"
+           "Id=b.service\nActiveState=inactive\nUnitFileState=disabled\nMainPID=0\n\n"
+           "garbage line\n")
     got = parse_states(out, ("a.service", "b.service", "c.service"))
     assert got == {"a.service": UnitState("a.service", "active", "enabled", 42),
                    "b.service": UnitState("b.service", "inactive", "disabled", None),
                    "c.service": UnitState("c.service", "unknown", "unknown", None)}
-    assert 'for u do' in STATES_SCRIPT
+    assert states_argv(("a.service",))[:2] == ["systemctl", "show"]
 
 
-def test_probe_splits_state_pid_and_log():
-    text = "activating\n@@@\nMainPID=9\n@@@\nline 1\n\nLoad weight begin\n"
-    p = parse_probe(text)
+def test_states_of_a_unit_that_does_not_exist_are_unknown_not_empty():
+    # real systemd prints empty properties for a unit it cannot find
+    got = parse_states("Id=x.service\nActiveState=inactive\nUnitFileState=\nMainPID=0\n", ("x.service",))
+    assert got["x.service"] == UnitState("x.service", "inactive", "unknown", None)
+
+
+def test_probe_reads_state_pid_and_log():
+    p = parse_probe("MainPID=9\nActiveState=activating\n", "line 1\n\nLoad weight begin\n")
     assert (p.active, p.main_pid, p.log) == ("activating", 9, ["line 1", "Load weight begin"])
-    assert parse_probe("").active == "unknown"
-    assert "'evil;unit'" in probe_command("evil;unit", 5)
+    assert parse_probe("", "").active == "unknown"
+    assert probe_argvs("a.service", 5)[1] == ["journalctl", "-u", "a.service", "-n", "5", "--no-pager"]
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -154,12 +158,9 @@ def test_redaction_keeps_harmless_names_readable():
 
 def test_the_agent_runs_isolated_without_site_or_pythonpath(tmp_path):
     """No sitecustomize, .pth or PYTHONPATH module runs with the agent (it runs as root)."""
-    import json
     import os
-    import subprocess
     import sys
 
-    from ddtree_ops import remote_agent
     from ddtree_ops.release_store import agent_argv
 
     marker = tmp_path / "ran"
@@ -167,10 +168,12 @@ def test_the_agent_runs_isolated_without_site_or_pythonpath(tmp_path):
     evil.mkdir()
     (evil / "sitecustomize.py").write_text(f"open({str(marker)!r}, 'w').write('x')\n")
     (evil / "json.py").write_text(f"open({str(marker)!r}, 'w').write('x')\n")  # shadowing the stdlib
-    request = {"op": "history", "state_dir": str(tmp_path / "state")}
-    r = subprocess.run(agent_argv(sys.executable), input=json.dumps({"agent": open(remote_agent.__file__).read(),
-                                                                    "request": request}),
-                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(evil)}, cwd=evil,
-                       timeout=60)
-    assert json.loads(r.stdout)["ok"], r.stderr
+    from ddtree_ops.testing.local_agent import local_agent
+
+    ch = local_agent(env={**os.environ, "PYTHONPATH": str(evil)}, cwd=str(evil))
+    try:
+        assert "releases" in ch.call({"op": "history", "state_dir": str(tmp_path / "state")}, 60)
+        assert ch.conn.channels[0].proc.args == agent_argv(sys.executable)
+    finally:
+        ch.close()
     assert not marker.exists()

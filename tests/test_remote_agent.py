@@ -9,21 +9,33 @@ import hashlib
 import json
 import os
 import stat
-import subprocess
-import sys
+import threading
 
 import pytest
 
 from ddtree_ops import remote_agent as agent
+from ddtree_ops.errors import UnreachableError
+from ddtree_ops.testing.local_agent import agent_pid, kill_agent, local_agent
 
 
 def call(req: dict) -> dict:
-    """Exactly as the controller does it: the agent's source and the request on stdin."""
-    payload = json.dumps({"agent": open(agent.__file__).read(), "request": req})
-    r = subprocess.run([sys.executable, "-c", agent.BOOTSTRAP], input=payload, capture_output=True, text=True)
-    doc = json.loads(r.stdout)
-    assert doc["ok"], doc
-    return doc["result"]
+    """Exactly as the controller does it (AgentChannel's framing and protocol), one agent process
+    per request."""
+    ch = local_agent()
+    try:
+        return ch.call(req, 60)
+    finally:
+        ch.close()
+
+
+def answer(req: dict) -> dict:
+    """The agent's answer document, error or not."""
+    ch = local_agent()
+    try:
+        ch.call({"op": "hello"}, 60)
+        return ch._exchange(req, 60)
+    finally:
+        ch.close()
 
 
 @pytest.fixture
@@ -34,6 +46,7 @@ def host(tmp_path):
     os.chmod(site / "pkg" / "mod.py", 0o640)
     (site / "pkg" / "__pycache__" / "mod.cpython-311.pyc").write_bytes(b"stale")
     (site / "pkg" / "__pycache__" / "other.cpython-311.pyc").write_bytes(b"keep")
+    agent.ensure_state_dir(str(tmp_path / "state"))  # as the lock, the first step of any operation, does
     return {"site": site, "state": tmp_path / "state"}
 
 
@@ -87,24 +100,108 @@ def test_a_corrupted_backup_is_refused_and_nothing_is_restored(host):
 
 def test_install_rejects_content_that_arrived_corrupted(host):
     mod = str(host["site"] / "pkg" / "mod.py")
-    payload = json.dumps({"agent": open(agent.__file__).read(), "request": {
-        "op": "install", "state_dir": str(host["state"]), "files": [
-            {"path": mod, "content_b64": base64.b64encode(b"X").decode(), "sha256": _sha(b"Y"), "mode": 0o644}]}})
-    r = subprocess.run([sys.executable, "-c", agent.BOOTSTRAP], input=payload, capture_output=True, text=True)
-    doc = json.loads(r.stdout)
+    doc = answer({"op": "install", "state_dir": str(host["state"]), "files": [
+        {"path": mod, "content_b64": base64.b64encode(b"X").decode(), "sha256": _sha(b"Y"), "mode": 0o644}]})
     assert not doc["ok"] and "corrupted" in doc["error"]
     assert open(mod, "rb").read() == b"OLD = 1\n"
     assert [f for f in os.listdir(host["site"] / "pkg") if f.endswith(".tmp")] == []
 
 
-def test_lock_is_exclusive_and_names_its_holder(host):
+def _lock(ch, state, token, user="alice", **kw):
+    return ch.call({"op": "lock", "state_dir": state, "holder": {"token": token, "user": user}, **kw}, 60)
+
+
+def test_the_lock_lives_as_long_as_its_agent_process(host):
     state = str(host["state"])
-    first = call({"op": "lock", "state_dir": state, "holder": {"token": "t1", "user": "alice"}})
-    second = call({"op": "lock", "state_dir": state, "holder": {"token": "t2", "user": "bob"}})
-    assert first["acquired"] and not second["acquired"]
-    assert second["holder"]["user"] == "alice"
-    assert not call({"op": "unlock", "state_dir": state, "token": "t2"})["released"]  # not bob's to release
-    assert call({"op": "lock", "state_dir": state, "break": True, "holder": {"token": "t3", "user": "bob"}})["acquired"]
+    a, b = local_agent(), local_agent()
+    try:
+        assert _lock(a, state, "t1")["acquired"]
+        refused = _lock(b, state, "t2", "bob")
+        assert not refused["acquired"]
+        assert (refused["holder"]["user"], refused["holder"]["token"]) == ("alice", "t1")
+        assert refused["holder"]["agent_pid"] == agent_pid(a)
+        kill_agent(a)  # the controller was killed / its connection cut: nothing more is said
+        assert _lock(b, state, "t2", "bob")["acquired"]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_only_the_holder_unlocks_and_the_next_run_takes_it_at_once(host):
+    state = str(host["state"])
+    a, b = local_agent(), local_agent()
+    try:
+        _lock(a, state, "t1")
+        assert not b.call({"op": "unlock", "state_dir": state, "token": "t1"}, 60)["released"]  # b holds nothing
+        assert a.call({"op": "unlock", "state_dir": state, "token": "t1"}, 60)["released"]
+        got = _lock(b, state, "t2", "bob")
+        assert got["acquired"] and got["holder"]["generation"] == 2
+    finally:
+        a.close()
+        b.close()
+
+
+def test_break_lock_needs_the_holders_token_and_ends_that_holder(host):
+    state = str(host["state"])
+    a, b = local_agent(), local_agent()
+    try:
+        _lock(a, state, "t1")
+        assert not _lock(b, state, "t2", "bob", **{"break": "not-the-token"})["acquired"]
+        assert _lock(b, state, "t2", "bob", **{"break": "t1"})["acquired"]
+        with pytest.raises(UnreachableError):  # the broken holder's agent is gone
+            a.call({"op": "history", "state_dir": state}, 10)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_two_breakers_with_the_same_token_cannot_both_win(host):
+    state = str(host["state"])
+    holder = local_agent()
+    breakers = [local_agent(), local_agent()]
+    try:
+        _lock(holder, state, "t1")
+        for ch in breakers:
+            ch.call({"op": "hello"}, 30)  # both agents up, so the two lock requests really race
+        results: list = [None, None]
+
+        def run(i):
+            results[i] = _lock(breakers[i], state, f"b{i}", f"breaker{i}", **{"break": "t1"})
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert sorted(r["acquired"] for r in results) == [False, True]
+    finally:
+        for ch in (holder, *breakers):
+            ch.close()
+
+
+def test_a_state_dir_the_tool_did_not_create_is_refused_and_left_alone(tmp_path):
+    system = tmp_path / "lib"
+    system.mkdir()
+    (system / "dpkg").mkdir()
+    system.chmod(0o755)
+    doc = answer({"op": "lock", "state_dir": str(system), "holder": {"token": "t"}})
+    assert not doc["ok"] and "not created by ddtree-ops" in doc["error"]
+    assert stat.S_IMODE(system.stat().st_mode) == 0o755 and os.listdir(system) == ["dpkg"]
+    fresh = tmp_path / "new" / "ddtree-ops"
+    assert call({"op": "lock", "state_dir": str(fresh), "holder": {"token": "t"}})["acquired"]
+    assert stat.S_IMODE(fresh.stat().st_mode) == 0o700 and (fresh / agent.STATE_MARKER).is_file()
+
+
+def test_a_corrupt_journal_is_reported_not_raised(host):
+    (host["state"] / "journal.json").write_text('{"release": "r1", "st')
+    facts = call({"op": "facts", "state_dir": str(host["state"]), "site_packages": str(host["site"]),
+                  "unit_path": str(host["site"] / "x.service"), "paths": []})
+    assert facts["journal"] is None and "not valid JSON" in facts["journal_error"]
+
+
+def test_the_agent_runs_only_systemctl_and_journalctl_and_never_a_shell(host):
+    doc = answer({"op": "run", "argv": ["sh", "-c", "touch /tmp/x"]})
+    assert not doc["ok"] and "not a program the agent runs" in doc["error"]
 
 
 def test_compile_uses_the_hosts_interpreter_and_reports_file_and_line(host):
@@ -132,3 +229,35 @@ def test_prune_keeps_the_newest_and_the_current_chain(host):
     call({"op": "set_current", "state_dir": state, "release_id": "r2"})
     removed = call({"op": "prune", "state_dir": state, "keep": 2})["removed"]
     assert sorted(removed) == ["r0", "r3"]  # r1, r2 on the current chain; r4, r5 newest
+
+
+def test_secret_files_leave_no_hash_and_their_values_are_blanked_from_log_tails(host, tmp_path):
+    """The agent reports a secret file's mode and owner only, and blanks the values of its
+    secret-named keys (and an EnvironmentFile's) out of what systemctl/journalctl print."""
+    secrets = tmp_path / "secrets.yaml"
+    secrets.write_text("api-key: 'sk-live-123456'\nport: 30000\n")
+    envf = tmp_path / "env"
+    envf.write_text("HF_TOKEN=hf_abcdef\nNCCL_P2P_DISABLE=0\n")
+    facts = call({"op": "facts", "state_dir": str(host["state"]), "site_packages": str(host["site"]),
+                  "unit_path": str(host["site"] / "x.service"), "paths": [], "secret_paths": [str(secrets)]})
+    f = facts["files"][str(secrets)]
+    assert f["exists"] and f["sha256"] is None and f["mode"] == stat.S_IMODE(secrets.stat().st_mode)
+    values = agent._secret_values([str(secrets), str(envf)], ["KEY", "TOKEN"])
+    assert values == ["sk-live-123456", "hf_abcdef"]
+    res = agent._scrubbed({"stdout": "server_args={'api_key': 'sk-live-123456', 'port': 30000} hf_abcdef\n",
+                           "stderr": ""}, values)
+    assert res["stdout"] == "server_args={'api_key': '***', 'port': 30000} ***\n"
+
+
+def test_a_lock_directory_left_by_an_older_version_is_respected_and_broken_only_by_its_token(host):
+    state = host["state"]
+    (state / "lock").mkdir()
+    (state / "lock" / "holder.json").write_text(json.dumps({"token": "old1", "user": "carol"}))
+    ch = local_agent()
+    try:
+        refused = _lock(ch, str(state), "t1")
+        assert not refused["acquired"] and refused["holder"]["legacy"] and refused["holder"]["user"] == "carol"
+        assert _lock(ch, str(state), "t1", **{"break": "old1"})["acquired"]
+        assert not (state / "lock").exists()
+    finally:
+        ch.close()

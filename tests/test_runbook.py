@@ -11,6 +11,7 @@ import pytest
 
 from ddtree_ops.deploy import deploy_host
 from ddtree_ops.errors import (
+    CorruptJournal,
     DdtreeOpsError,
     DeployFailed,
     InputError,
@@ -19,12 +20,21 @@ from ddtree_ops.errors import (
     PreflightError,
     RollbackFailed,
 )
+from ddtree_ops.journal import journal_problem
 from ddtree_ops.multinode import deploy_server, rollback_server
 from ddtree_ops.results import Outcome
 from ddtree_ops.rollback import rollback_host
 from ddtree_ops.rollout import Target
 from ddtree_ops.runbook import DeployOptions
-from ddtree_ops.testing.fake_host import DFLASH_UNIT, FAKE_CRASH, FAKE_HANG, UPSTREAM_BYTES, UPSTREAM_REL, fake_hosts
+from ddtree_ops.testing.fake_host import (
+    DFLASH_UNIT,
+    FAKE_CRASH,
+    FAKE_HANG,
+    UPSTREAM_BYTES,
+    UPSTREAM_REL,
+    ControllerKilled,
+    fake_hosts,
+)
 from fast_kit import PROBE_REL
 
 OPTS = DeployOptions(reconnect_s=5)
@@ -312,17 +322,18 @@ def test_a_fault_at_any_remote_call_of_a_deploy_ends_on_one_release_or_exit_4(tm
     assert 3 in seen and 0 in seen  # faults after the first change were rolled back; housekeeping kept
 
 
-@pytest.mark.parametrize("node", [0, 1])
-def test_a_fault_at_any_remote_call_of_a_multinode_deploy_rolls_every_node_back_or_exits_4(tmp_path, patchset, node):
+@pytest.mark.parametrize("node, kind", [(0, "fail"), (1, "fail"), (1, "drop")])
+def test_a_fault_at_any_remote_call_of_a_multinode_deploy_rolls_every_node_back_or_exits_4(tmp_path, patchset, node,
+                                                                                            kind):
     counting = fake_hosts(tmp_path / "count", 2, multinode=True)
     target = Target("server1", tuple(n.host for n in counting))
     deploy_server(target, patchset, OPTS, connect=_connect(counting), report=lambda h, m: None)
     n_calls = counting[node].calls
     codes = set()
     for k in range(1, n_calls + 1):
-        nodes = fake_hosts(tmp_path / f"n{node}-{k}", 2, multinode=True)
+        nodes = fake_hosts(tmp_path / f"n{node}{kind}-{k}", 2, multinode=True)
         before = [snapshot(n) for n in nodes]
-        nodes[node].fault_at_call = ("fail", k)
+        nodes[node].fault_at_call = (kind, k)
         rows = deploy_server(Target("server1", tuple(n.host for n in nodes)), patchset, OPTS,
                              connect=_connect(nodes), report=lambda h, m: None)
         nodes[node].fault_at_call = None
@@ -340,34 +351,131 @@ def test_a_fault_at_any_remote_call_of_a_multinode_deploy_rolls_every_node_back_
     assert 3 in codes
 
 
-def test_a_fault_at_any_remote_call_of_a_rollback_ends_on_a_release_or_exits_4(tmp_path, patchset):
-    def deployed(where):
-        fake = fake_hosts(where)[0]
-        original = snapshot(fake)
-        release = deploy_host(fake.session(), patchset, OPTS).release
-        return fake, original, release
+def _deployed(where, ps):
+    fake = fake_hosts(where)[0]
+    original = snapshot(fake)
+    release = deploy_host(fake.session(), ps, OPTS).release
+    return fake, original, release
 
-    fake, _, _ = deployed(tmp_path / "count")
+
+@pytest.mark.parametrize("kind", ["fail", "drop"])
+def test_a_fault_at_any_remote_call_of_a_rollback_ends_on_a_release_or_exits_4_and_the_next_run_finishes(
+        tmp_path, patchset, kind):
+    fake, _, _ = _deployed(tmp_path / "count", patchset)
     start = fake.calls
     rollback_host(fake.session(), None, OPTS)
     n_calls = fake.calls - start
     codes = set()
     for k in range(1, n_calls + 1):
-        fake, original, release = deployed(tmp_path / f"rb{k}")
+        fake, original, release = _deployed(tmp_path / f"rb{kind}{k}", patchset)
         on_release = snapshot(fake)
         first = len(fake.events)
-        fake.fault_at_call, fake.calls = ("fail", k), 0
+        fake.fault_at_call, fake.calls = (kind, k), 0
         try:
             rollback_host(fake.session(), None, OPTS)
             code = 0
         except DdtreeOpsError as e:
             code = e.exit_code
         fake.fault_at_call = None
-        where = f"fault at rollback call {k} ({fake.events[first + k - 1]}): exit {code}"
+        where = f"fault ({kind}) at rollback call {k} ({fake.events[first + k - 1]}): exit {code}"
         codes.add(code)
+        journal = fake.session().store.facts([])["journal"]
         if code == 0:
+            assert snapshot(fake) == original and current(fake) is None and journal is None, where
+            assert fake.units[DFLASH_UNIT].active == "active", where
+        elif code == 4:  # the journal names the step, and a plain rollback finishes the job
+            assert journal and journal["kind"] == "rollback" and journal["step"] in ("restore", "services"), where
+            finished = rollback_host(fake.session(), None, OPTS)
+            assert finished.repaired == release, where
             assert snapshot(fake) == original and current(fake) is None, where
             assert fake.units[DFLASH_UNIT].active == "active", where
-        elif code != 4:  # refused before any change: still on the release
-            assert snapshot(fake) == on_release and current(fake) == release, where
-    assert 0 in codes and 4 in codes
+        else:  # refused or unreachable before any change: still on the release
+            assert code in (1, 5), where
+            assert snapshot(fake) == on_release and current(fake) == release and journal is None, where
+    # A dropped connection is reconnected and the rollback finished (0); a failed step stops it (4).
+    assert 0 in codes and (4 in codes) == (kind == "fail")
+
+
+@pytest.mark.parametrize("then", ["rollback", "deploy"])
+def test_a_controller_killed_at_any_call_frees_the_lock_and_a_plain_run_repairs(tmp_path, patchset,
+                                                                                 versioned_patchset, then):
+    """SIGKILL of the controller at every remote call of a deploy (no handler runs, its agent
+    process and lock die with its connection); then a plain `rollback` or `deploy`, no flags."""
+    prior = versioned_patchset(version="0.9.0")
+    counting, _, _ = _deployed(tmp_path / "count", prior)
+    start = counting.calls
+    deploy_host(counting.session(), patchset, OPTS)
+    n_calls = counting.calls - start
+    for k in range(1, n_calls + 1):
+        fake, _, before_release = _deployed(tmp_path / f"k{then}{k}", prior)
+        on_prior = snapshot(fake)
+        fake.fault_at_call, fake.calls = ("kill", k), 0
+        with pytest.raises(ControllerKilled):
+            deploy_host(fake.session(), patchset, OPTS)
+        fake.fault_at_call = None
+        where = f"killed at deploy call {k} ({fake.events[-1]})"
+        committed = current(fake) != before_release
+        if then == "rollback":
+            r = rollback_host(fake.session(), None, OPTS)
+            if r.repaired or committed:  # back to the release before the killed deploy, and no further
+                assert current(fake) == before_release and snapshot(fake) == on_prior, where
+            else:  # killed before its first change: an ordinary rollback of the prior release
+                assert current(fake) is None, where
+        else:
+            r = deploy_host(fake.session(), patchset, OPTS)
+            # killed after its commit: already on the release, so the plain deploy has nothing to do
+            assert r.outcome == (Outcome.UNCHANGED if committed and not r.repaired else Outcome.DEPLOYED), where
+            assert current(fake) == r.release, where
+        assert fake.units[fake.host.unit].active == "active" or fake.units[DFLASH_UNIT].active == "active", where
+        assert fake.session().store.facts([])["lock"] is None, where  # nobody holds it now
+
+
+@pytest.mark.parametrize("still_held", [True, False])
+def test_a_reconnect_takes_the_lock_again_and_stops_if_another_run_took_it(fake, versioned_patchset, still_held):
+    """The lock lives in the agent process, which a lost connection ends: the rollback after a
+    reconnect takes it again; if another run took it meanwhile (even one that has finished since:
+    it may have repaired or deployed), exit 4, touching nothing."""
+    other = fake.session()
+    fake.drop_connection_at.add("agent remove_partial")
+    real_reconnect = type(other).reconnect
+
+    def reconnect_after_someone_else_locked(self):
+        lock = other.store.acquire_lock("a second operator")
+        if not still_held:
+            other.store.release_lock(lock)
+        real_reconnect(self)
+
+    type(other).reconnect = reconnect_after_someone_else_locked
+    try:
+        with pytest.raises(RollbackFailed) as ei:
+            deploy_host(fake.session(), versioned_patchset(marker=b"\n# " + FAKE_CRASH + b"\n"), OPTS)
+    finally:
+        type(other).reconnect = real_reconnect
+    assert "taken by another run" in str(ei.value) and ei.value.exit_code == 4
+    assert fake.session().store.facts([])["journal"]["step"] == "wait for weights"
+
+
+@pytest.mark.parametrize("content", [b'{"release": "2026', b"\xff\xfe", b"[1, 2]", b'{"release": "../x", "step": "s"}',
+                                     b'{"release": "r1", "step": "install", "active_before": ["a"]}',
+                                     b'{"release": "r1", "step": "x", "kind": "mystery"}'])
+def test_a_corrupt_or_foreign_journal_stops_with_exit_4_and_the_way_out_and_changes_nothing(fake, patchset, content):
+    setup = fake.session().store
+    setup.release_lock(setup.acquire_lock("set up the state dir"))
+    fake.write(f"{fake.host.state_dir}/journal.json", content, 0o600)
+    before = snapshot(fake)
+    for run in (lambda: deploy_host(fake.session(), patchset, OPTS), lambda: rollback_host(fake.session(), None, OPTS)):
+        with pytest.raises(CorruptJournal) as ei:
+            run()
+        msg = str(ei.value)
+        assert ei.value.exit_code == 4 and "corrupt journal" in msg and "journal.json.corrupt" in msg
+        assert snapshot(fake) == before
+
+
+def test_journal_problem_accepts_what_the_tool_writes_and_names_what_it_did_not():
+    ok = {"release": "20261130T000000Z-abcdef", "step": "install", "previous": None,
+          "active_before": {"a.service": "active"}, "enabled_before": {"a.service": "enabled"}}
+    assert journal_problem(None) is None and journal_problem(ok) is None
+    assert journal_problem({**ok, "kind": "rollback", "undo": ["r2", "r1"], "to": None}) is None
+    assert "undo" in journal_problem({**ok, "kind": "rollback", "undo": []})
+    assert "previous" in journal_problem({**ok, "previous": 7})
+    assert "step" in journal_problem({k: v for k, v in ok.items() if k != "step"})

@@ -35,3 +35,67 @@ def test_fit_cuts_only_on_a_terminal(monkeypatch):
     assert fit("x" * 100, 10) == "x" * 100
     monkeypatch.setattr("ddtree_ops.tables.interactive", lambda: True)
     assert fit("x" * 100, 10) == "x" * 9 + "…" and fit("short", 10) == "short"
+
+
+# --------------------------------------------------------------------------- remote text is literal (issue 11)
+
+# What a host may send: Rich markup, a hyperlink, an emoji code and a terminal escape sequence.
+EVIL = "[red]x[/red] [link=http://evil]y[/link] :warning: [bold]"
+ESC = "\x1b[2J\x1b]8;;http://evil\x07"
+
+
+def _printed_literally(text: str) -> None:
+    assert EVIL in text, text  # markup interpreted would have printed "x y ⚠" without the tags
+    assert "\x1b" not in text and "\\x1b[2J" in text  # control characters shown, never sent to the terminal
+    assert "⚠" not in text
+
+
+def test_every_table_prints_what_hosts_send_literally(capsys):
+    from ddtree_ops.plan import FileChange, HostPlan
+
+    remote = EVIL + ESC
+    res = RolloutResult("deploy", [HostResult("h1", Outcome.ROLLED_BACK, 3, release=remote, failed_step=remote,
+                                              message=remote, log=[remote])], [["h1"]],
+                        aborted=True, abort_reason=remote)
+    print_rollout(res)
+    _printed_literally(capsys.readouterr().out)
+    print_status([{"host": "h1", "reachable": False, "reason": remote, "release": remote, "patchset": remote,
+                   "budget": None, "topk_cap": None, "drift": [{"path": "/x/" + remote}], "active_unit": remote,
+                   "health": remote, "avg_accept_length": None},
+                  {"host": "h2", "reachable": True, "reason": remote, "release": None, "patchset": None,
+                   "budget": None, "topk_cap": None, "drift": [], "active_unit": None, "health": None,
+                   "avg_accept_length": None}])
+    _printed_literally(capsys.readouterr().out)
+    print_history({"current": remote, "releases": [{"id": remote, "created": 0, "patchset": remote, "budget": 16,
+                                                    "topk_cap": 4, "outcome": remote}]})
+    _printed_literally(capsys.readouterr().out)
+    from ddtree_ops.tables import print_plan
+
+    plan = HostPlan(host="h1", patchset=remote, patchset_digest="d", budget=16, topk_cap=4, sglang_version=remote,
+                    current_release=remote, files=(FileChange("/p", remote, remote, None, "ab" * 32, remote, remote),),
+                    unit_path="/etc/systemd/system/u.service", unit_old=None, unit_new="", unit_diff=remote,
+                    stop_units=(remote,), restart_unit="u.service", refusals=(remote,),
+                    interrupted={"release": remote, "step": remote}, lock={"user": remote, "machine": remote,
+                                                                           "since_utc": remote})
+    print_plan(plan)
+    out = capsys.readouterr().out
+    _printed_literally(out)
+    assert out.count(EVIL) >= 10 and "refused: " + EVIL in out
+
+
+def test_the_live_progress_table_prints_what_hosts_send_literally():
+    from rich.console import Console
+
+    from ddtree_ops.fleetview import LiveProgress
+
+    p = LiveProgress()
+    p.rows["h1"] = {"state": EVIL, "msg": EVIL + ESC, "t0": None, "t1": None}
+    p.notes.append(EVIL + ESC)
+    con = Console(record=True, width=400, force_terminal=True, color_system="truecolor")
+    con.print(p._table())
+    _printed_literally(con.export_text(clear=False))
+    assert "\x1b]8;" not in con.export_text(styles=True)  # no hyperlink escape: [link=...] was not markup
+    p.console = con
+    p._live = type("FakeLive", (), {"console": con})()
+    p.note(EVIL)
+    assert EVIL in con.export_text()

@@ -58,7 +58,7 @@ all:
       budget: 32
       topk_cap: 6
       extra_args: [--trust-remote-code, --mem-fraction-static=0.88]
-      environment: {NCCL_P2P_DISABLE: 0}
+      environment: {NCCL_P2P_DISABLE: "0"}
       conflicts: [sglang-k26-dflash-cg.service]
     dflash:
       address: 10.0.0.6

@@ -94,3 +94,81 @@ def test_a_broken_manifest_names_the_manifest_and_position(tmp_path):
     (d / "manifest.yaml").write_text("name: [ps\n")
     with pytest.raises(PatchSetError, match=r"manifest.yaml: not valid YAML at line 2, column 1: "):
         load_patchset(str(d))
+
+
+# --------------------------------------------------------------------------- aliases bounded (issue 11)
+
+def _laughs(levels: int, width: int = 9) -> str:
+    """The "billion laughs": each level a list of `width` aliases of the level below."""
+    text = "a0: &a0 [" + ",".join(["lol"] * width) + "]\n"
+    for i in range(1, levels + 1):
+        text += f"a{i}: &a{i} [" + ",".join([f"*a{i - 1}"] * width) + "]\n"
+    return text
+
+
+def _merge_bomb(levels: int) -> str:
+    """Merge keys doubling at each level: `<<: [*m, *m]` copies the merged keys in PyYAML."""
+    text = "m0: &m0 {x: 1, y: 2}\n"
+    for i in range(1, levels + 1):
+        text += f"m{i}: &m{i}\n  <<: [*m{i - 1}, *m{i - 1}]\n  k{i}: {i}\n"
+    return text
+
+
+@pytest.mark.parametrize("text, line", [(_laughs(9), 6), (_merge_bomb(30), 48)])
+def test_an_alias_bomb_is_refused_quickly_naming_the_line(text, line):
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(YamlProblem) as e:
+        load_yaml(text)
+    assert time.monotonic() - t0 < 2
+    assert str(e.value).startswith(f"alias expansion too large at line {line}, column ")
+    assert "an alias bomb?" in str(e.value) and len(str(e.value)) < 300
+    assert e.value.line == line
+
+
+def test_an_alias_that_contains_itself_is_refused():
+    with pytest.raises(YamlProblem, match="an alias refers to a node that contains it at line 1, column 4"):
+        load_yaml("a: &a [1, *a]\n")
+    with pytest.raises(YamlProblem, match="contains it at line 2"):
+        load_yaml("x: 1\nb: &b {c: {d: *b}}\n")
+
+
+def test_a_deeply_nested_document_is_a_yaml_problem_not_a_crash():
+    with pytest.raises(YamlProblem, match="nested too deeply"):
+        load_yaml("[" * 2_000 + "]" * 2_000)
+
+
+def test_anchors_and_merge_keys_below_the_bound_work_as_safe_load():
+    text = _laughs(4) + _merge_bomb(6) + ("defaults: &d {budget: 16, tp: 8}\nhosts:\n"
+                                           + "".join(f"  h{i}: {{<<: *d, address: 10.0.0.{i}}}\n" for i in range(200)))
+    assert load_yaml(text) == yaml.safe_load(text)
+
+
+def test_a_long_duplicated_key_is_cut_in_the_message():
+    key = "k" * 1000  # a plain key may be at most 1024 characters long
+    with pytest.raises(YamlProblem, match="duplicate key 'kkk") as e:
+        load_yaml(f"{key}: 1\n{key}: 2\n")
+    assert len(str(e.value)) < 200 and "…" in str(e.value)
+
+
+def test_an_inventory_with_an_alias_bomb_names_the_file_and_line(tmp_path):
+    p = tmp_path / "bomb.yaml"
+    p.write_text(_laughs(9) + "all: {hosts: {a: {address: x}}}\n")
+    with pytest.raises(InventoryError, match=rf"^{p}: alias expansion too large at line 6, column \d+: "):
+        load_inventory(p)
+
+
+def test_an_inventory_sharing_defaults_through_a_merge_key_loads(tmp_path):
+    p = tmp_path / "inv.yaml"
+    p.write_text("x-defaults: &defaults\n  python: /opt/v/bin/python\n  site_packages: /opt/v/lib/site-packages\n"
+                 "  model_path: /m\n  draft_model_path: /d\n"
+                 "all:\n  hosts:\n    h1: {<<: *defaults, address: 10.0.0.1}\n"
+                 "    h2: {<<: *defaults, address: 10.0.0.2, budget: 8}\n")
+    with pytest.raises(InventoryError, match="unexpected top-level keys x-defaults"):
+        load_inventory(p)  # the inventory's top level holds only `all`: defaults go in group vars instead
+    p.write_text("all:\n  vars: &defaults\n    python: /opt/v/bin/python\n    site_packages: /opt/v/lib/site-packages\n"
+                 "    model_path: /m\n    draft_model_path: /d\n"
+                 "  hosts:\n    h1: {<<: *defaults, address: 10.0.0.1}\n    h2: {<<: *defaults, address: 10.0.0.2}\n")
+    i = load_inventory(p)
+    assert [h.address for h in i.hosts.values()] == ["10.0.0.1", "10.0.0.2"]

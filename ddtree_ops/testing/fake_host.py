@@ -14,7 +14,9 @@ It offers what a `HostSession` offers (`store`, `services`, `http()`, `sleep`, `
   503 while loading, then 200; `/generate` answers text; `/server_info` the accept length.
 
 Faults are injected by name: `fail_next["install"] = "disk full"` makes the next agent `install`
-fail as the host would report it; `fail_next["systemctl restart"]`, `drop_connection_at` likewise.
+fail as the host would report it; `fail_next["systemctl restart"]`, `drop_connection_at` likewise;
+`fault_at_call = ("fail"|"drop"|"kill", k)` hits the k-th call whatever it is ("kill": the
+controller dies there, see ControllerKilled).
 `events` records every call in order, so a test reads the runbook's steps back.
 """
 
@@ -32,7 +34,7 @@ from ..errors import RemoteCommandError, UnreachableError
 from ..health import http_client
 from ..inventory import Host, parse_inventory
 from ..release_store import ReleaseStore, answer_result
-from ..remote_agent import OPS
+from ..remote_agent import Agent
 from ..services import UnitProbe, UnitState
 
 FAKE_CRASH = b"FAKE_CRASH"  # a shipped module with this marker kills the server while it loads
@@ -64,6 +66,11 @@ def fake_hosts(tmp: Path, n: int = 1, *, multinode: bool = False, **host_vars: A
     return [FakeHost(h, tmp / name) for name, h in inv.hosts.items()]
 
 
+class ControllerKilled(BaseException):
+    """The controller dies (SIGKILL) at this call: no handler of the tool runs, and its
+    connection, agent process and lock are gone. A BaseException so that nothing catches it."""
+
+
 @dataclass
 class FakeUnit:
     active: str = "inactive"
@@ -81,7 +88,7 @@ class FakeHost:
         self.events: list[str] = []
         self.fail_next: dict[str, str] = {}
         self.drop_connection_at: set[str] = set()
-        # Fail the k-th remote call (1-based) of whatever runs next: ("fail"|"drop", k).
+        # Fail the k-th remote call (1-based) of whatever runs next: ("fail"|"drop"|"kill", k).
         self.fault_at_call: tuple[str, int] | None = None
         self.calls = 0
         self.reconnects = 0
@@ -134,6 +141,8 @@ class FakeHost:
         self.calls += 1
         if self.fault_at_call and self.fault_at_call[1] == self.calls:
             kind, _ = self.fault_at_call
+            if kind == "kill":
+                raise ControllerKilled(f"the controller was killed at call {self.calls} ({name}) (fake)")
             if kind == "drop":
                 raise UnreachableError(f"{self.host.name}: connection lost at call {self.calls} ({name}) (fake)")
             raise RemoteCommandError(f"{self.host.name}: call {self.calls} ({name}) failed (fake)")
@@ -144,13 +153,13 @@ class FakeHost:
             raise RemoteCommandError(f"{self.host.name}: {name} failed: {self.fail_next.pop(name)}")
 
     # -- the remote agent, in-process, rooted in self.root ----------------------------------------
-    def agent(self, request: dict[str, Any]) -> dict[str, Any]:
+    def agent(self, request: dict[str, Any], proc: Agent) -> dict[str, Any]:
+        """One request to `proc`, the agent process of one connection (the lock is its own)."""
         op = request["op"]
-        self._call(f"agent {op}")
         if op == "verify_unit":
             return {"available": True, "returncode": 0, "stdout": "", "stderr": ""}
         req = _map_paths(request, self._in)
-        answer = _run_agent_op(req)
+        answer = json.loads(json.dumps(proc.handle(req)))
         if op == "facts" and answer.get("ok"):
             res = answer["result"]
             res["files"] = {self._out(p): dict(f, path=self._out(f["path"])) for p, f in res["files"].items()}
@@ -227,36 +236,63 @@ def _map_paths(req: dict[str, Any], f: Callable[[str], str]) -> dict[str, Any]:
             out[key] = f(out[key])
     if "paths" in out:
         out["paths"] = [dict(p, path=f(p["path"])) if isinstance(p, dict) else f(p) for p in out["paths"]]
+    for key in ("secret_paths", "scrub_files"):
+        if key in out:
+            out[key] = [f(p) for p in out[key]]
     if out.get("op") == "install":
         out["files"] = [dict(x, path=f(x["path"])) for x in out["files"]]
     return out
 
 
-def _run_agent_op(req: dict[str, Any]) -> dict[str, Any]:
-    """What `remote_agent.main` writes to stdout, as a value (JSON round trip included)."""
-    try:
-        result = {"ok": True, "result": OPS[req["op"]](req)}
-    except Exception as e:
-        result = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-    return json.loads(json.dumps(result))
+class FakeConnection:
+    """One controller's connection to the fake host, with the agent process it runs there.
 
+    A dropped connection ends that process (its lock with it, as on a host) and every later call
+    fails until `reconnect`; `kill()` is the controller dying (SIGKILL: nothing more is said)."""
 
-class _FakeAgent:
     def __init__(self, fake: FakeHost):
         self.fake = fake
+        self.proc: Agent | None = None
+        self.down: str | None = None
+
+    def point(self, name: str) -> None:
+        if self.down:
+            raise UnreachableError(f"{self.fake.host.name}: {self.down}")
+        try:
+            self.fake._call(name)
+        except UnreachableError as e:
+            self.kill(f"connection lost ({e})")
+            raise
+        except ControllerKilled:
+            self.kill()
+            raise
 
     def call(self, request: dict[str, Any], timeout: float) -> dict[str, Any]:
-        return self.fake.agent(request)
+        self.point(f"agent {request['op']}")
+        if self.proc is None:
+            self.proc = Agent()
+        return self.fake.agent(request, self.proc)
+
+    def kill(self, why: str = "the controller was killed") -> None:
+        if self.proc is not None:
+            self.proc.exit()
+        self.proc, self.down = None, why
+
+    def reset(self) -> None:
+        self.kill("reconnecting")
+        self.down = None
+
+    close = kill
 
 
 class FakeServices:
     """`Services` over the fake host's units (same methods, same answers as systemctl's)."""
 
-    def __init__(self, fake: FakeHost):
-        self.fake = fake
+    def __init__(self, fake: FakeHost, conn: FakeConnection):
+        self.fake, self.conn = fake, conn
 
     def states(self, units) -> dict[str, UnitState]:
-        self.fake._call("systemctl states")
+        self.conn.point("systemctl states")
         out = {}
         for name in units:
             u = self.fake.units.get(name)
@@ -268,35 +304,35 @@ class FakeServices:
         return self.states((unit,))[unit]
 
     def main_pid(self, unit: str) -> int | None:
-        self.fake._call("systemctl show MainPID")
+        self.conn.point("systemctl show MainPID")
         u = self.fake.units.get(unit)
         return u.pid if u else None
 
     def probe(self, unit: str, lines: int = 30) -> UnitProbe:
-        self.fake._call(f"probe {unit}")
+        self.conn.point(f"probe {unit}")
         self.fake.tick()
         u = self.fake.units.get(unit) or FakeUnit()
         log = [f"{unit}: pid {u.pid} {'ready' if u.ready else 'loading' if u.active == 'active' else u.active}"]
         return UnitProbe(u.active, u.pid, log)
 
     def daemon_reload(self) -> None:
-        self.fake._call("systemctl daemon-reload")
+        self.conn.point("systemctl daemon-reload")
 
     def stop(self, unit: str) -> None:
-        self.fake._call(f"systemctl stop {unit}")
+        self.conn.point(f"systemctl stop {unit}")
         u = self.fake.units.setdefault(unit, FakeUnit())
         u.active, u.pid, u.ready = "inactive", None, False
 
     def restart(self, unit: str) -> None:
-        self.fake._call(f"systemctl restart {unit}")
+        self.conn.point(f"systemctl restart {unit}")
         self.fake._start(unit)
 
     def enable(self, unit: str) -> None:
-        self.fake._call(f"systemctl enable {unit}")
+        self.conn.point(f"systemctl enable {unit}")
         self.fake.units.setdefault(unit, FakeUnit()).enabled = "enabled"
 
     def disable(self, unit: str) -> None:
-        self.fake._call(f"systemctl disable {unit}")
+        self.conn.point(f"systemctl disable {unit}")
         self.fake.units.setdefault(unit, FakeUnit()).enabled = "disabled"
 
 
@@ -311,8 +347,10 @@ class FakeSession:
 
     def __post_init__(self) -> None:
         self.host = self.fake.host
-        self.store = ReleaseStore(_FakeAgent(self.fake), self.host)
-        self.services = FakeServices(self.fake)
+        self.conn = FakeConnection(self.fake)
+        self.store = ReleaseStore(self.conn, self.host)
+        self.store.lock_grace_s = 0.2  # in-process agents end at once; no need to wait for one
+        self.services = FakeServices(self.fake, self.conn)
 
     def http(self) -> httpx.Client:
         return http_client(self.host, transport=httpx.MockTransport(self.fake.handle_http))
@@ -323,6 +361,8 @@ class FakeSession:
     def reconnect(self) -> None:
         self.fake.reconnects += 1
         self.fake.events.append("reconnect")
+        self.conn.reset()
+        self.store.relock()
 
     def close(self) -> None:
-        pass
+        self.conn.close()

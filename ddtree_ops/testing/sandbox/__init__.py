@@ -23,7 +23,9 @@ Modules, by concern:
     prerequisites  what the machine needs (root, iproute2, sshd, the systemctl replacement)
     wheelcache     the real sglang 0.5.23 wheel, extracted once; where the cache lives
     namespaces     network namespaces, subnets, the mounts around them
-    hostfiles      each host's files and the sandbox inventory
+    hostfiles      each host's files and the sandbox inventory; `write_secrets_config` provisions
+                   a host's 0600 secrets_config (the API key SGLang reads with --config), as an
+                   operator would: the default inventory does not use one
     boot.sh/boot   the script that mounts a host's paths and becomes its sshd
     processes      a host's processes: found by namespace, ended by PID, waited for
     lifecycle      `Sandbox`: up, status, reset_host, down
@@ -32,10 +34,11 @@ Modules, by concern:
 from __future__ import annotations
 
 from .errors import SandboxError
-from .hostfiles import inventory_doc, multinode_inventory
+from .hostfiles import inventory_doc, multinode_inventory, write_secrets_config
 from .layout import (
     DDTREE_UNIT,
     DFLASH_UNIT,
+    SECRETS_CONFIG,
     SERVER_PORT,
     SGLANG_VERSION,
     SITE_PACKAGES,
@@ -49,7 +52,8 @@ from .processes import _kill_namespace_processes, _namespace_pids
 from .wheelcache import cache_dir, sglang_site_tree
 
 __all__ = [
-    "DDTREE_UNIT", "DFLASH_UNIT", "SERVER_PORT", "SGLANG_VERSION", "SITE_PACKAGES", "SSHD", "STANDIN_MODULE",
-    "VENV_PATH", "Sandbox", "SandboxError", "SandboxHost", "_kill_namespace_processes", "_namespace_pids",
-    "cache_dir", "inventory_doc", "missing_prerequisites", "multinode_inventory", "sglang_site_tree",
+    "DDTREE_UNIT", "DFLASH_UNIT", "SECRETS_CONFIG", "SERVER_PORT", "SGLANG_VERSION", "SITE_PACKAGES", "SSHD",
+    "STANDIN_MODULE", "VENV_PATH", "Sandbox", "SandboxError", "SandboxHost", "_kill_namespace_processes",
+    "_namespace_pids", "cache_dir", "inventory_doc", "missing_prerequisites", "multinode_inventory",
+    "sglang_site_tree", "write_secrets_config",
 ]

@@ -28,8 +28,12 @@ mount -t tmpfs -o mode=0755 ddtree-run /run
 mkdir -p /run/sshd /run/systemd /run/lock /run/ddtree-sandbox
 cp "$H/ssh/ssh_host_ed25519_key" "$H/ssh/authorized_keys" "$H/ssh/sshd_config" /run/ddtree-sandbox/
 chmod 600 /run/ddtree-sandbox/ssh_host_ed25519_key
-# The machine's own units stay invisible; systemctl and journalctl are the replacement's.
+# The machine's own units stay invisible; systemctl and journalctl are the replacement's. That
+# includes its SysV scripts: the replacement's init loop would otherwise run /etc/init.d/ssh (the
+# machine's sshd, its config and host key) whenever port 22 is free, e.g. while a test has this
+# host's sshd stopped.
 mount -t tmpfs -o mode=0755 ddtree-units /usr/lib/systemd/system
+mount -t tmpfs -o mode=0755 ddtree-initd /etc/init.d
 mount --bind "$H/bin/systemctl" /usr/bin/systemctl
 mount --bind "$H/bin/journalctl" /usr/bin/journalctl
 cd /

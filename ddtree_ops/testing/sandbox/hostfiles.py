@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import os
 import shutil
 import sys
@@ -15,7 +16,16 @@ import yaml
 from ddtree_ops.inventory import Host
 
 from .boot import BOOT_SCRIPT, boot_script
-from .layout import DDTREE_UNIT, DFLASH_UNIT, SERVER_PORT, SITE_PACKAGES, STANDIN_MODULE, VENV_PATH, SandboxHost
+from .layout import (
+    DDTREE_UNIT,
+    DFLASH_UNIT,
+    SECRETS_CONFIG,
+    SERVER_PORT,
+    SITE_PACKAGES,
+    STANDIN_MODULE,
+    VENV_PATH,
+    SandboxHost,
+)
 from .prerequisites import SFTP_SERVER, journalctl3, systemctl3
 from .system import SYSTEM_PATH, run
 
@@ -78,6 +88,24 @@ def multinode_inventory(doc: dict[str, Any], names: list[str], group: str = "ser
         members[n] = {**(hosts.pop(n) or {}), "node_rank": rank}
     children[group] = {"vars": {"multinode": True}, "hosts": members}
     return doc
+
+
+def write_secrets_config(h: SandboxHost, options: dict[str, str], *, mode: int = 0o600) -> str:
+    """Provision the host's secrets_config as an operator does: SGLang options (`api-key`, ...)
+    as a YAML file at SECRETS_CONFIG, every value quoted (an unquoted `0123` would be the YAML
+    number 83), mode `mode` (0600: the preflight refuses anything group or others can read), owned
+    by root (the sandbox runs as root; the units run as User=root), in a 0700 folder. Returns the
+    path on the host for the inventory's `secrets_config`. A reset of the host removes it."""
+    local = Path(h.dir) / "var-lib" / Path(SECRETS_CONFIG).relative_to("/var/lib")
+    local.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(local.parent, 0o700)
+    text = "".join(f"{key}: {json.dumps(str(value))}\n" for key, value in options.items())
+    fd = os.open(local, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write("# SGLang --config file: secret options only. Provisioned by the operator, not by ddtree-ops.\n")
+        fh.write(text)
+    os.chmod(local, mode)
+    return SECRETS_CONFIG
 
 
 def _base_python() -> str:

@@ -16,6 +16,9 @@ DFLASH_UNIT = "sglang-k26-dflash-cg.service"
 SERVER_PORT = 30000
 # What the units run on a sandbox host instead of sglang.launch_server.
 STANDIN_MODULE = "ddtree_ops.testing.standin"
+# Where `write_secrets_config` puts a host's secrets_config (the YAML file SGLang's --config reads
+# the API key from). Under /var/lib, which is the host's own; a real host would use /etc/sglang.
+SECRETS_CONFIG = "/var/lib/sglang-secrets/ddtree-secrets.yaml"
 
 
 @dataclass

@@ -31,15 +31,22 @@ length 1.0.
 
 Fault and timing knobs (passed through the inventory's ``extra_args``) are the
 ``--standin-*`` flags (``args.build_parser``); ``DDTREE_STANDIN_LOAD_SECONDS`` in the
-environment overrides ``--standin-load-seconds``. Recorded SGLang flags whose name marks a
-secret (``ddtree_ops.redaction``) are masked in the log and in ``/server_info``.
+environment overrides ``--standin-load-seconds``.
 
-Needs only the standard library and ``ddtree_ops.redaction``; torch is imported lazily, on
-the DDTree path only.
+Secrets, as SGLang 0.5.23 handles them: ``--config FILE`` merges a YAML file of options into the
+command line the way SGLang does (``args.merge_config``: ``api-key: K`` works, ``api_key: K``
+ends in "unrecognized arguments: --api_key K"), and the first log line is SGLang's
+``server_args={...}`` with every value in clear, the API key included (``args.logged_server_args``;
+SGLang hides only its watermark keys), so tests can prove that the controller hides it. The
+stand-in's own lines (recorded flags) and ``/server_info`` mask secret-named values
+(``ddtree_ops.redaction``).
+
+Needs only the standard library and ``ddtree_ops.redaction`` (PyYAML with ``--config``, as
+SGLang); torch is imported lazily, on the DDTree path only.
 
 Modules, by concern:
 
-    args       the launch flags: parsed, unknown ones recorded, secrets masked
+    args       the launch flags: --config merged, parsed, unknown ones recorded, secrets masked
     payload    the DDTree modules: found beside sglang, imported, their functions looked up
     toymodel   the toy model, sampling, autoregressive and DDTree decoding
     state      what the server answers: info documents, /generate, counters

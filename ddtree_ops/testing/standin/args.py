@@ -1,8 +1,11 @@
-"""SGLang's launch flags: the ones the stand-in models, the rest recorded, secrets masked."""
+"""SGLang's launch flags: the ones the stand-in models, the rest recorded, secrets masked in the
+stand-in's own lines; `--config FILE` merged as SGLang 0.5.23 merges it (`merge_config`)."""
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 from typing import Any
 
 from ddtree_ops.redaction import MASK, is_secret_name
@@ -25,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node-rank", type=int, default=0)
     p.add_argument("--dist-init-addr", default=None)
     p.add_argument("--api-key", default=None)
+    # Parsed, never merged: only the exact token `--config` is (see merge_config).
+    p.add_argument("--config", default=None,
+                   help="Read CLI options from a config file. Must be a YAML file with configuration options.")
     p.add_argument("--speculative-algorithm", default=None)
     p.add_argument("--speculative-draft-model-path", default=None)
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None)
@@ -92,3 +98,79 @@ def masked(extra: dict[str, Any]) -> dict[str, Any]:
     """`extra` (from `record_unknown`) with the values of secret-named flags (the project's one
     list, `ddtree_ops.redaction`) replaced by ***; a bare switch shows as given."""
     return {k: (MASK if is_secret_name(k) and v is not True else v) for k, v in extra.items()}
+
+
+class ConfigError(ValueError):
+    """What SGLang's ConfigArgumentMerger raises (ValueError, same messages): the server exits 1."""
+
+
+def merge_config(argv: list[str]) -> list[str]:
+    """`argv` with the options of its `--config FILE` merged in, as SGLang 0.5.23 does
+    (sglang/srt/server_args.py `prepare_server_args`; sglang/srt/utils/server_args_config_parser.py
+    `ConfigArgumentMerger.merge_config_with_args`):
+
+    * only the exact token `--config` followed by a path counts (`--config=FILE` is parsed as an
+      option and ignored); two are an error;
+    * the file must end in .yaml/.yml and exist; its root must be a mapping;
+    * each key becomes `--KEY` *as written*: `api-key: K` gives `--api-key K`, while `api_key: K`
+      gives `--api_key K`, which SGLang's parser refuses ("unrecognized arguments"; see
+      `underscore_flags`); true adds a store_true flag (false omits it), a list gives the flag and
+      its items, a mapping its JSON, anything else `str(value)` -- so an unquoted `api-key: 0123`
+      is the YAML number 83;
+    * the config's options go first: a flag also on the command line wins.
+    """
+    found = [i for i, a in enumerate(argv) if a == "--config"]
+    if not found:
+        return list(argv)
+    if len(found) > 1:
+        raise ConfigError("Multiple config files specified! Only one allowed.")
+    i = found[0]
+    if i == len(argv) - 1:
+        raise ConfigError("No config file specified after --config flag!")
+    path = Path(argv[i + 1])
+    if path.suffix.lower() not in (".yaml", ".yml"):
+        raise ConfigError(f"Config file must be YAML format, got: {path.suffix}")
+    if not path.exists():
+        raise ConfigError(f"Config file not found: {path}")
+    import yaml  # what SGLang uses; only needed with --config
+
+    with open(path) as fh:  # a PermissionError ends the server, as in SGLang
+        data = yaml.safe_load(fh)
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError("Config file must contain a dictionary at root level")
+    merged: list[str] = []
+    for key, value in data.items():
+        if isinstance(value, bool):  # a switch, as every boolean the stand-in knows is (and most of SGLang's)
+            merged += [f"--{key}"] if value else []
+        elif isinstance(value, list):
+            merged += ([f"--{key}", *(str(v) for v in value)] if value else [])
+        elif isinstance(value, dict):
+            merged += [f"--{key}", json.dumps(value)]
+        else:
+            merged += [f"--{key}", str(value)]
+    return merged + argv[:i] + argv[i + 2:]
+
+
+def underscore_flags(argv: list[str]) -> list[str]:
+    """The `--name_with_underscores` flags of `argv` and their values: SGLang 0.5.23 spells every
+    option with dashes, so its parser refuses these ("unrecognized arguments", exit 2) -- the way
+    a config key written `api_key:` ends, with the key's value in the error."""
+    out: list[str] = []
+    for j, tok in enumerate(argv):
+        if tok.startswith("--") and "_" in tok.split("=", 1)[0]:
+            out.append(tok)
+            if "=" not in tok and j + 1 < len(argv) and not _is_flag(argv[j + 1]):
+                out.append(argv[j + 1])
+    return out
+
+
+def logged_server_args(args: argparse.Namespace, extra: dict[str, Any]) -> str:
+    """The start-up line SGLang 0.5.23 logs (sglang/srt/entrypoints/engine.py, `_launch_subprocesses`:
+    `logger.info(f"server_args={_server_args_for_logging(server_args)}")`): the repr of a dict of
+    every field, secrets included -- SGLang hides only its watermark keys. So `api_key` is logged in
+    clear, here as there; it is the controller that scrubs what it shows."""
+    fields = {k: v for k, v in vars(args).items() if not k.startswith("standin_") and k != "config"}
+    fields.update({k: v for k, v in extra.items() if k != "_positional"})
+    return f"server_args={fields!r}"

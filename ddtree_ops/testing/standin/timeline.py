@@ -10,9 +10,7 @@ import threading
 import time
 import traceback
 
-from ddtree_ops.redaction import MASK
-
-from .args import build_parser, masked, record_unknown
+from .args import ConfigError, build_parser, logged_server_args, masked, merge_config, record_unknown, underscore_flags
 from .logs import log, log_raw
 from .payload import find_site_packages, list_ddtree_modules, prepare_parent_packages, sha256_short
 from .server import _Server, make_server
@@ -50,6 +48,20 @@ def run(argv: list[str] | None = None) -> int:
     except (AttributeError, ValueError):
         pass
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        argv = merge_config(argv)
+    except (ConfigError, OSError) as exc:  # SGLang: the exception ends `launch_server` (exit 1)
+        if isinstance(exc, OSError):
+            log(f"Failed to read config file {argv[argv.index('--config') + 1]}: {exc}")
+        log_raw(traceback.format_exc())
+        return 1
+    refused = underscore_flags(argv)
+    if refused:  # SGLang's parser knows every option by its dashed name only
+        parser.print_usage(sys.stderr)
+        sys.stderr.write(f"{parser.prog}: error: unrecognized arguments: {' '.join(refused)}\n")
+        sys.stderr.flush()
+        return 2
     args, unknown = parser.parse_known_args(argv)
     extra = record_unknown(unknown)
     env_load = os.environ.get("DDTREE_STANDIN_LOAD_SECONDS")
@@ -74,9 +86,7 @@ def run(argv: list[str] | None = None) -> int:
             sys.stderr.flush()
             return 2
 
-        shown = {k: v for k, v in vars(args).items() if not k.startswith("standin_")}
-        shown["api_key"] = MASK if args.api_key else None
-        log("server_args=ServerArgs(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")")
+        log(logged_server_args(args, extra))  # secrets in clear, as SGLang logs them
         if extra:
             log(f"Stand-in: recorded SGLang flags it does not model: {masked(extra)}")
         log(f"Stand-in SGLang {SGLANG_VERSION} server (no GPU); sglang found in "

@@ -189,3 +189,38 @@ def health_gate(session: ServerAccess, unit: str, expected_pid: int | None = Non
     if p.active != "active" or (expected_pid and p.main_pid != expected_pid):
         raise HealthFailure(f"{unit} died after passing the health gate ({p.active}, MainPID {p.main_pid})", p.log)
     return GateResult(ok, text, accept)
+
+
+def in_flight(client: httpx.Client, timeout: float | None = None) -> int | None:
+    """Requests running or waiting in the server, summed over its data-parallel ranks, from
+    SGLang 0.5.23's `/v1/loads?include=core` (`num_running_reqs` + `num_waiting_reqs` per rank);
+    None when the server does not answer it (not serving, or too old to have it)."""
+    try:
+        r = client.get("/v1/loads", params={"include": "core"}, timeout=timeout)
+        if r.status_code != 200:
+            return None
+        loads = r.json().get("loads")
+        return sum(int(x.get("num_running_reqs", 0)) + int(x.get("num_waiting_reqs", 0)) for x in loads)
+    except (httpx.HTTPError, ValueError, TypeError, AttributeError):
+        return None
+
+
+@dataclass
+class DrainResult:
+    waited_s: float
+    at_start: int | None  # in flight when the drain began (None: the server did not say)
+    remaining: int | None  # still in flight when it ended: cut by the stop
+
+
+def drain(session: ServerAccess, timeout_s: float) -> DrainResult:
+    """Wait (at most `timeout_s`) until the serving server has no request running or waiting.
+    Without a router in front nothing stops new requests from arriving: this only lets the ones
+    in flight finish before the stop, and says how many were cut."""
+    host = session.host
+    t0 = time.monotonic()
+    with session.http() as client:
+        first = now = in_flight(client, timeout=min(5.0, host.health.request_timeout_s))
+        while now and time.monotonic() - t0 < timeout_s:
+            session.sleep(min(host.health.poll_interval_s, 1.0))
+            now = in_flight(client, timeout=min(5.0, host.health.request_timeout_s))
+    return DrainResult(time.monotonic() - t0, first, now)

@@ -74,6 +74,8 @@ class HealthSettings:
     min_accept_length: float | None = None
     generate_prompt: str = "The capital of France is"
     generate_max_new_tokens: int = 8
+    # Before a serving unit is stopped: wait this long at most for its in-flight requests.
+    drain_timeout_s: float = 120.0
 
 
 @dataclass(frozen=True)
@@ -293,6 +295,7 @@ HEALTH_FIELDS: tuple[Field, ...] = (  # absent keys keep HealthSettings' default
     Field("min_accept_length", optional(number_range(0, 1025)), OMIT),
     Field("generate_prompt", non_empty_string(), OMIT),
     Field("generate_max_new_tokens", int_range(1, 4096), OMIT),
+    Field("drain_timeout_s", number_range(0, 86400), OMIT),
 )
 
 HOST_FIELDS: tuple[Field, ...] = (

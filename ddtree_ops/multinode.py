@@ -100,6 +100,8 @@ def _deploy_nodes(server: Target, nodes: list[Runbook], locks: list[LockHolder],
         for i, (n, p, r) in enumerate(zip(nodes, plans, releases, strict=True)):
             started.append(i)
             n.backup_and_install(ps, p, r, opts)
+        if before[0][nodes[0].host.unit].active == "active":  # a redeploy: node 0 serves; drain it first
+            nodes[0].drain(nodes[0].host.unit)
         for i in [*range(1, len(nodes)), 0]:  # rank >= 1 first, rank 0 last
             nodes[i].restart(releases[i])
         nodes[0].wait_and_gate(releases[0], opts.deadline_s)

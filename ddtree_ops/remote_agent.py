@@ -787,12 +787,111 @@ def _scrubbed(result, secrets):
     return result
 
 
+# ------------------------------------------------------------------------------------- launch check
+
+# SGLang's own parser, exactly as prepare_server_args (srt/server_args.py, 0.5.23) builds and
+# feeds it, without ServerArgs.__post_init__ (which needs the GPUs): unknown flags, bad values and
+# choices exit 2 with argparse's message, as the server would at start.
+SGLANG_PARSE_ONLY = "\n".join([
+    "import argparse, sys",
+    "from sglang.srt.server_args import ServerArgs",
+    "argv = sys.argv[1:]",
+    "parser = argparse.ArgumentParser(prog='sglang serve')",
+    "ServerArgs.add_cli_args(parser)",
+    "if '--config' in argv:",
+    "    from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger",
+    "    argv = ConfigArgumentMerger(parser).merge_config_with_args(argv)",
+    "parser.parse_args(argv)",
+])
+
+
+def op_launch_check(req):
+    """Run the new launch line through the server's own argument parser (nothing starts), and
+    say who holds the ports it will bind."""
+    python, args = req["python"], [str(a) for a in req["args"]]
+    if not os.path.isabs(python) or not os.access(python, os.X_OK):
+        return {"rc": 127, "stdout": "", "stderr": "%s: not an executable absolute path" % python, "holders": {}}
+    if req.get("sglang"):
+        argv = [python, "-c", SGLANG_PARSE_ONLY] + args
+    else:
+        argv = [python, "-m", req["module"], "--parse-only"] + args
+    try:
+        r = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           timeout=float(req.get("timeout", 180)), cwd="/")
+        result = {"rc": r.returncode, "stdout": r.stdout.decode("utf-8", "replace")[-4000:],
+                  "stderr": r.stderr.decode("utf-8", "replace")[-4000:]}
+    except subprocess.TimeoutExpired:
+        result = {"rc": 124, "stdout": "", "stderr": "the parse did not finish in time"}
+    secrets = _secret_values(req.get("scrub_files") or [], req.get("secret_words") or [])
+    result = _scrubbed(result, secrets)  # SGLang's "unrecognized arguments" error repeats values
+    result["holders"] = {str(port): port_holders(int(port)) for port in req.get("ports", [])}
+    return result
+
+
+def _listening_inodes(port):
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as fh:
+                next(fh, None)
+                for line in fh:
+                    f = line.split()
+                    if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                        inodes.add(f[9])
+        except OSError:
+            continue
+    return inodes
+
+
+def port_holders(port):
+    """Processes with a listening TCP socket on `port` (this network namespace): pid, command
+    and ancestors (so a child of a unit's main process counts as the unit's)."""
+    inodes = _listening_inodes(port)
+    if not inodes:
+        return []
+    wanted = set("socket:[%s]" % i for i in inodes)
+    out = []
+    for pid in (int(d) for d in os.listdir("/proc") if d.isdigit()):
+        try:
+            fds = os.listdir("/proc/%d/fd" % pid)
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink("/proc/%d/fd/%s" % (pid, fd)) in wanted:
+                    out.append({"pid": pid, "cmd": _cmdline(pid), "ancestors": _ancestors(pid)})
+                    break
+            except OSError:
+                continue
+    return out
+
+
+def _cmdline(pid):
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as fh:
+            return fh.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()[:200]
+    except OSError:
+        return ""
+
+
+def _ancestors(pid):
+    chain = []
+    while pid > 1 and len(chain) < 64:
+        try:
+            with open("/proc/%d/stat" % pid) as fh:
+                pid = int(fh.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+        chain.append(pid)
+    return chain
+
+
 OPS = {
     "facts": op_facts, "lock": op_lock, "unlock": op_unlock, "journal": op_journal,
     "compile": op_compile, "backup": op_backup, "install": op_install, "restore": op_restore,
     "release_write": op_release_write, "set_current": op_set_current, "history": op_history,
     "prune": op_prune, "verify_backup": op_verify_backup, "remove_partial": op_remove_partial,
-    "verify_unit": op_verify_unit, "run": op_run,
+    "verify_unit": op_verify_unit, "run": op_run, "launch_check": op_launch_check,
 }
 
 

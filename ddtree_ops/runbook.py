@@ -18,11 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .errors import CorruptJournal, InputError, RemoteCommandError, RollbackFailed, UnreachableError
-from .health import HealthFailure, health_gate, wait_until_serving
+from .health import HealthFailure, drain, health_gate, wait_until_serving
 from .journal import journal_problem
+from .launch_check import launch_line, parse_problems, port_problems, ports_to_check
 from .patchset import PatchSet
 from .pause_points import agent_pause_request, pause
 from .plan import HostPlan, compute_plan, read_host, target_path
+from .redaction import SECRET_NAME_WORDS
 from .release_store import LockHolder, b64, new_release_id
 from .results import Reporter
 from .schema import is_valid_unit_name
@@ -89,6 +91,7 @@ class Runbook:
         self.steps: list[dict[str, Any]] = []
         self._states_read: dict[str, UnitState] | None = None
         self.warnings: list[str] = []  # what went wrong without failing the run (housekeeping)
+        self._drained: set[str] = set()
 
     def step(self, name: str, detail: str = "") -> None:
         self.steps.append({"step": name, "t": time.time(), "detail": detail})
@@ -233,19 +236,59 @@ class Runbook:
         self._guarded("install unit", lambda: self.store.call("install", files=[unit]))
         pause("after-unit")
         self._guarded("daemon-reload", self.services.daemon_reload)
+        # Nothing has stopped yet: a launch line the server would refuse fails here, and the
+        # rollback restores the files while the old server keeps serving.
+        self._guarded("launch check", lambda: self.check_launch(plan))
 
         self._journal(release, "stop conflicts")
         for u in h.conflicts:
             if j["active_before"].get(u) in RUNNING:
+                self.drain(u)
                 self._guarded(f"stop {u}", lambda u=u: self.services.stop(u))
             if j["enabled_before"].get(u) == "enabled":
                 self._guarded(f"disable {u}", lambda u=u: self.services.disable(u))
         if j["enabled_before"].get(h.unit) != "enabled":
             self._guarded(f"enable {h.unit}", lambda: self.services.enable(h.unit))
 
+    def check_launch(self, plan: HostPlan) -> None:
+        """The new ExecStart through the installed server's own argument parser (new files in
+        place, nothing started), and its ports free or held by a unit this deploy replaces."""
+        h = self.host
+        line = launch_line(plan.unit_new)
+        if line is None:
+            self.step("launch check", "skipped: ExecStart is not `PYTHON -m MODULE ARGS`")
+            return
+        ports = ports_to_check(h)
+        res = self.store.call("launch_check", python=line.python, module=line.module, args=list(line.args),
+                              sglang=line.sglang, ports=ports, scrub_files=[f for f in (h.secrets_config,) if f],
+                              secret_words=list(SECRET_NAME_WORDS))
+        ours = {s.main_pid for s in self.services_before().values() if s.main_pid}
+        problems = parse_problems(line, res) + port_problems(res["holders"], ours)
+        if problems:
+            raise StepFailed("launch check", "; ".join(problems))
+        self.step("launch check", f"{line.module} accepts the launch line; port{'s' if len(ports) > 1 else ''} "
+                                  f"{', '.join(map(str, ports))} free or held by a unit being replaced")
+
+    def drain(self, unit: str) -> None:
+        """Let the requests in flight on `unit`'s server finish (at most `health.drain_timeout_s`)
+        before it stops; how many were cut is said. A server that does not report its load (not
+        listening, or no /v1/loads) is not waited for. Only node 0 of a multi-node server serves
+        requests (and is drained, before any node stops); once drained, a unit is not drained again
+        in the same operation."""
+        if not self.health_checked or unit in self._drained:
+            return
+        self._drained.add(unit)
+        res = drain(self.session, self.host.health.drain_timeout_s)
+        if res.at_start is None:
+            return
+        cut = f"; {res.remaining} still in flight, cut by the stop" if res.remaining else ""
+        self.step("drain", f"{unit}: {res.at_start} request(s) in flight, waited {res.waited_s:.1f} s{cut}")
+
     # -- restart, wait and gate ------------------------------------------------------------------
     def restart(self, release: Release) -> None:
         self._journal(release, "restart")
+        if self.services_before()[self.host.unit].active == "active":  # a redeploy: it serves now
+            self.drain(self.host.unit)
         self._guarded("restart", lambda: self.services.restart(self.host.unit))
         release.pid = self.services.main_pid(self.host.unit)
 
@@ -429,9 +472,13 @@ class Runbook:
         # Stop what was not running before, first: the units conflict on the port.
         for u in recorded:
             if u not in was_active and now[u].active in (*RUNNING, "failed"):
+                if now[u].active == "active":
+                    self.drain(u)
                 self.services.stop(u)
         for u in was_active:
             pid = now[u].main_pid if untouched and now[u].active == "active" else None
+            if not pid and now[u].active == "active":  # it serves, and is about to be restarted
+                self.drain(u)
             self._bring_back(u, pid)
 
     def _bring_back(self, unit: str, running_pid: int | None) -> None:

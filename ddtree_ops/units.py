@@ -310,12 +310,9 @@ _FLAGS = {
 }
 
 
-def parse_exec_flags(unit_text: str) -> dict[str, Any]:
-    """DDTree flags from a unit's ExecStart: {'budget': int, 'topk_cap': int, 'algorithm': str}.
-
-    Only keys found (with a readable value) are returned; {} when the unit has none. Handles
-    line continuations and both ``--flag value`` and ``--flag=value``.
-    """
+def exec_start_words(unit_text: str) -> list[str] | None:
+    """The last ExecStart= command line of a unit as argv (continuations joined, systemd's `%%`
+    and `$$` unescaped); None when there is none."""
     exec_line = None
     for line in _logical_lines(unit_text):
         s = line.strip()
@@ -323,12 +320,23 @@ def parse_exec_flags(unit_text: str) -> dict[str, Any]:
             value = s[len("ExecStart="):].strip()
             exec_line = value or None  # an empty ExecStart= resets the list
     if not exec_line:
-        return {}
+        return None
     try:
         words = shlex.split(exec_line, comments=False, posix=True)
     except ValueError:
         words = exec_line.split()
-    words = [w.replace("%%", "%").replace("$$", "$") for w in words]
+    return [w.replace("%%", "%").replace("$$", "$") for w in words]
+
+
+def parse_exec_flags(unit_text: str) -> dict[str, Any]:
+    """DDTree flags from a unit's ExecStart: {'budget': int, 'topk_cap': int, 'algorithm': str}.
+
+    Only keys found (with a readable value) are returned; {} when the unit has none. Handles
+    line continuations and both ``--flag value`` and ``--flag=value``.
+    """
+    words = exec_start_words(unit_text)
+    if not words:
+        return {}
     found: dict[str, Any] = {}
     for i, w in enumerate(words):
         flag, eq, val = w.partition("=")

@@ -117,6 +117,48 @@ def test_module_that_raises_at_import_is_caught_while_loading_and_rolled_back(fr
     assert _healthy(th)
 
 
+def test_an_unknown_launch_flag_is_refused_before_the_old_server_stops(fresh_host, tmp_path, good_patchset):
+    """The new ExecStart goes through the server's own parser on the host (the stand-in's
+    `--parse-only`, which knows SGLang 0.5.23's flags from its source) with the new files in
+    place: an unknown flag fails the deploy before DFlash is stopped; its PID never changes."""
+    th = fresh_host.with_vars(tmp_path, extra_args=fresh_host.base_extra_args() + ["--mem-fraction-static", "0.8",
+                                                                                   "--no-such-sglang-flag", "1"])
+    paths = snapshot_paths(th, [PROBE, DFLASH_INFO])
+    before, dflash_pid = th.snapshot(paths), th.main_pid(DFLASH)
+    r = run_cli("deploy", "-i", str(th.inventory), "-p", str(good_patchset), "--yes", "--json")
+    assert r.code == 3, r.stderr
+    res = r.json()["hosts"][0]
+    assert res["failed_step"] == "launch check", res
+    assert "unrecognized arguments: --no-such-sglang-flag 1" in res["message"], res["message"]
+    assert "--mem-fraction-static" not in res["message"]  # a real SGLang flag is accepted
+    assert th.main_pid(DFLASH) == dflash_pid and th.snapshot(paths) == before
+    assert th.unit_state(DDTREE) != "active" and _healthy(th)
+
+
+def test_a_long_generation_in_flight_completes_before_the_server_is_restarted(fresh_host, tmp_path, good_patchset):
+    """No router: a redeploy (same unit, new budget) first waits until the server reports no
+    request in flight (/v1/loads), then restarts it; the 4 s generation is answered in full."""
+    import threading
+
+    th = fresh_host.with_vars(tmp_path, extra_args=fresh_host.base_extra_args() + ["--standin-generate-seconds", "4"])
+    assert run_cli("deploy", "-i", str(th.inventory), "-p", str(good_patchset), "--yes").code == 0
+    got: list = []
+    body = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 4}}
+    t = threading.Thread(target=lambda: got.append(httpx.post(th.host.base_url + "/generate", json=body, timeout=60)))
+    t.start()
+    deadline = time.monotonic() + 10
+    while httpx.get(th.host.base_url + "/v1/loads", timeout=5).json()["loads"][0]["num_running_reqs"] != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    r = run_cli("deploy", "-i", str(th.inventory), "-p", str(good_patchset), "--budget", "17", "--yes", "--json")
+    t.join(60)
+    assert r.code == 0, r.stderr
+    assert got and got[0].status_code == 200 and got[0].json()["text"], got
+    [drain] = [s["detail"] for s in r.json()["hosts"][0]["steps"] if s["step"] == "drain"]
+    assert drain.startswith(f"{DDTREE}: 1 request(s) in flight") and "cut" not in drain, drain
+    assert run_cli("rollback", "-i", str(th.inventory), "--to", "original", "--yes").code == 0
+
+
 def test_warm_up_that_never_completes_hits_the_deadline_and_rolls_back(fresh_host, tmp_path, good_patchset):
     th = fresh_host.with_vars(tmp_path, extra_args=fresh_host.base_extra_args() + ["--standin-warmup-never-completes"])
     paths = snapshot_paths(th, [PROBE, DFLASH_INFO])

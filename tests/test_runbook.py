@@ -63,11 +63,12 @@ def test_deploy_runs_the_runbook_in_order_and_leaves_the_host_on_the_release(fak
     r = deploy_host(fake.session(), patchset, OPTS)
 
     assert r.outcome == Outcome.DEPLOYED and r.exit_code == 0
-    assert journal_steps(r) == ["preflight", "backup", "install", "stop conflicts", "restart", "wait for weights",
-                                "serving", "health gate", "commit", "committed"]
+    assert journal_steps(r) == ["preflight", "backup", "install", "launch check", "stop conflicts", "restart",
+                                "wait for weights", "serving", "health gate", "commit", "committed"]
     ev = fake.events
     order = ["agent lock", "agent compile", "agent verify_unit", "agent backup", "agent install",
-             "systemctl daemon-reload", f"systemctl stop {DFLASH_UNIT}", f"systemctl disable {DFLASH_UNIT}",
+             "systemctl daemon-reload", "agent launch_check", f"systemctl stop {DFLASH_UNIT}",
+             f"systemctl disable {DFLASH_UNIT}",
              f"systemctl enable {fake.host.unit}", f"systemctl restart {fake.host.unit}", "http GET /health",
              "http POST /generate", "agent set_current", "agent unlock"]
     positions = [ev.index(e) for e in order]
@@ -479,3 +480,62 @@ def test_journal_problem_accepts_what_the_tool_writes_and_names_what_it_did_not(
     assert "undo" in journal_problem({**ok, "kind": "rollback", "undo": []})
     assert "previous" in journal_problem({**ok, "previous": 7})
     assert "step" in journal_problem({k: v for k, v in ok.items() if k != "step"})
+
+
+
+# ---------------------------------------------------------------------------------------------
+# the launch line is checked before anything stops (issue 12, deliverable 3)
+
+
+@pytest.mark.parametrize("problem", ["parser", "port"])
+def test_a_launch_line_the_server_would_refuse_fails_before_anything_stops(fake, patchset, problem):
+    before, dflash_pid = snapshot(fake), fake.units[DFLASH_UNIT].pid
+    if problem == "parser":
+        fake.launch_refusal = "launch_server.py: error: unrecognized arguments: --bogus-flag"
+    else:
+        fake.port_holders[fake.host.port] = [{"pid": 4242, "cmd": "python3 -m http.server", "ancestors": [1]}]
+    with pytest.raises(DeployFailed) as ei:
+        deploy_host(fake.session(), patchset, OPTS)
+    res = ei.value.result
+    assert ei.value.exit_code == 3 and res.failed_step == "launch check"
+    assert ("--bogus-flag" if problem == "parser" else "pid 4242 (python3 -m http.server)") in res.message
+    assert not any(e.startswith(f"systemctl stop {DFLASH_UNIT}") for e in fake.events)  # never stopped
+    assert fake.units[DFLASH_UNIT].pid == dflash_pid and fake.units[DFLASH_UNIT].active == "active"
+    assert snapshot(fake) == before and current(fake) is None
+
+
+def test_a_port_held_by_the_unit_being_replaced_is_fine(fake, patchset):
+    pid = fake.units[DFLASH_UNIT].pid
+    fake.port_holders[fake.host.port] = [{"pid": pid + 7, "cmd": "python3 worker", "ancestors": [pid, 1]}]
+    assert deploy_host(fake.session(), patchset, OPTS).outcome == Outcome.DEPLOYED
+
+
+# ---------------------------------------------------------------------------------------------
+# draining before a stop, without a router (issue 12, deliverable 1, first part)
+
+
+def test_in_flight_requests_finish_before_the_serving_unit_stops(fake, patchset):
+    fake.in_flight = {DFLASH_UNIT: 3}
+    r = deploy_host(fake.session(), patchset, OPTS)
+    drains = [s["detail"] for s in r.steps if s["step"] == "drain"]
+    assert drains and drains[0].startswith(f"{DFLASH_UNIT}: 3 request(s) in flight") and "cut" not in drains[0]
+    ev = fake.events
+    last_look = max(i for i, e in enumerate(ev) if e == "http GET /v1/loads")
+    assert last_look < ev.index(f"systemctl stop {DFLASH_UNIT}") and fake.in_flight[DFLASH_UNIT] == 0
+
+
+def test_a_drain_that_does_not_end_is_bounded_and_says_how_many_were_cut(tmp_path, patchset):
+    fake = fake_hosts(tmp_path / "h", health={"drain_timeout_s": 0})[0]
+    fake.in_flight, fake.stuck_requests = {DFLASH_UNIT: 2}, True
+    r = deploy_host(fake.session(), patchset, OPTS)
+    assert r.outcome == Outcome.DEPLOYED
+    [detail] = [s["detail"] for s in r.steps if s["step"] == "drain"]
+    assert "2 still in flight, cut by the stop" in detail
+
+
+def test_a_rollback_drains_the_release_it_stops(fake, patchset):
+    deploy_host(fake.session(), patchset, OPTS)
+    fake.in_flight = {fake.host.unit: 1}
+    r = rollback_host(fake.session(), None, OPTS)
+    assert any(s["step"] == "drain" and s["detail"].startswith(fake.host.unit) for s in r.steps), r.steps
+    assert fake.in_flight[fake.host.unit] == 0

@@ -450,3 +450,25 @@ def test_ddtree_modules_beside_real_sglang_files_without_its_dependencies(spawn,
     assert "DDTree modules imported: sglang.srt.speculative.ddtree_utils" in s.log
     code, out = s.post("/generate", {"text": "x y", "sampling_params": {"temperature": 0, "max_new_tokens": 16}})
     assert code == 200 and out["meta_info"]["spec_ddtree"] is True
+
+
+def test_sigterm_lets_in_flight_generations_finish_as_sglang_does(spawn):
+    """SGLang 0.5.23's SIGTERM drain: /health 503 at once, requests in flight finish (answered
+    200), `Gracefully exiting... Remaining number of requests N`, then exit. /v1/loads counts them."""
+    import threading
+
+    s = spawn("--standin-generate-seconds", "2")
+    s.wait_status("/health", 200)
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(s.post("/generate", {"text": "hi"})))
+    t.start()
+    deadline = time.monotonic() + 10
+    while s.get("/v1/loads")[1]["loads"][0]["num_running_reqs"] != 1:
+        assert time.monotonic() < deadline, s.log
+        time.sleep(0.02)
+    s.proc.send_signal(signal.SIGTERM)
+    s.wait_status("/health", 503, timeout=2)
+    t.join(10)
+    assert got and got[0][0] == 200, got
+    assert s.wait_exit(5) == 0
+    assert "Gracefully exiting... Remaining number of requests 1" in s.log

@@ -93,6 +93,11 @@ class FakeHost:
         self.calls = 0
         self.reconnects = 0
         self.accept_lengths: dict[str, float] = {}  # per unit; 3.5 when not set
+        self.launch_refusal: str | None = None  # what the server's parser says about the launch line
+        # Requests in flight per unit, as /v1/loads reports them (None: no /v1/loads at all).
+        self.in_flight: dict[str, int] | None = None
+        self.stuck_requests = False  # in-flight requests never finish
+        self.port_holders: dict[int, list[dict[str, Any]]] = {}  # port -> [{pid, cmd, ancestors}]
         self.boot: Callable[[FakeHost, str], str] = _fate_from_installed_files
         self._next_pid = 1000
         self.units: dict[str, FakeUnit] = {u: FakeUnit() for u in (host.unit, *host.conflicts)}
@@ -158,6 +163,10 @@ class FakeHost:
         op = request["op"]
         if op == "verify_unit":
             return {"available": True, "returncode": 0, "stdout": "", "stderr": ""}
+        if op == "launch_check":  # no server program here: the verdict and port holders are set by tests
+            refused = self.launch_refusal
+            return {"rc": 2 if refused else 0, "stdout": "", "stderr": refused or "",
+                    "holders": {str(p): self.port_holders.get(p, []) for p in request["ports"]}}
         req = _map_paths(request, self._in)
         answer = json.loads(json.dumps(proc.handle(req)))
         if op == "facts" and answer.get("ok"):
@@ -210,6 +219,11 @@ class FakeHost:
             return httpx.Response(200 if ready else 503)
         if request.url.path == "/generate" and request.method == "POST":
             return httpx.Response(200, json={"text": " Paris."}) if ready else httpx.Response(503)
+        if request.url.path == "/v1/loads" and self.in_flight is not None:
+            n = self.in_flight.get(unit, 0)
+            if n:  # each look finds one request fewer, unless `stuck`
+                self.in_flight[unit] = n - (0 if self.stuck_requests else 1)
+            return httpx.Response(200, json={"loads": [{"dp_rank": 0, "num_running_reqs": n, "num_waiting_reqs": 0}]})
         if request.url.path == "/server_info":
             accept = self.accept_lengths.get(unit, 3.5)
             return httpx.Response(200, json={"internal_states": [{"avg_spec_accept_length": accept}]})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="/generate answers 500")
     g.add_argument("--standin-die-after-ready", type=float, default=None, metavar="SECONDS",
                    help="exit 1 SECONDS after the server declared itself ready")
+    g.add_argument("--standin-generate-seconds", type=float, default=0.0, metavar="S",
+                   help="each /generate takes S seconds (in flight meanwhile: /v1/loads, the SIGTERM drain)")
     g.add_argument("--standin-site-packages", default=None, metavar="DIR",
                    help="where to look for sglang when it is not importable")
     return p
@@ -174,3 +177,43 @@ def logged_server_args(args: argparse.Namespace, extra: dict[str, Any]) -> str:
     fields = {k: v for k, v in vars(args).items() if not k.startswith("standin_") and k != "config"}
     fields.update({k: v for k, v in extra.items() if k != "_positional"})
     return f"server_args={fields!r}"
+
+
+_FLAG_IN_SOURCE = re.compile(r"""["'](--[a-z0-9][a-z0-9-]*)["']""")
+# 0.5.23 builds most flags from annotated dataclass fields (arg_groups/arg_utils.py
+# add_cli_args_from_dataclass): `mem_fraction_static: A[...]` is `--mem-fraction-static`.
+_ANNOTATED_FIELD = re.compile(r"^\s+([a-z_][a-z0-9_]*)\s*:\s*A\[", re.MULTILINE)
+
+
+def sglang_flags(site_packages: Path | None) -> set[str]:
+    """Every `--flag` string in the installed SGLang's argument definitions (server_args.py and
+    arg_groups/, the patch set's versions where it replaces them): what SGLang's own parser
+    accepts, read without importing SGLang (the sandbox venv lacks its dependencies)."""
+    if site_packages is None:
+        return set()
+    srt = site_packages / "sglang" / "srt"
+    files = [srt / "server_args.py", *sorted((srt / "arg_groups").rglob("*.py"))]
+    found: set[str] = set()
+    for f in files:
+        try:
+            text = f.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+        found.update(_FLAG_IN_SOURCE.findall(text))
+        found.update("--" + name.replace("_", "-") for name in _ANNOTATED_FIELD.findall(text))
+    return found
+
+
+def unrecognized(unknown: list[str], known: set[str]) -> list[str]:
+    """The flags among `unknown` (what the stand-in's own parser left) that SGLang does not know
+    either, with their values, as argparse lists them."""
+    out: list[str] = []
+    refusing = False
+    for tok in unknown:
+        if _is_flag(tok):
+            flag = tok.split("=", 1)[0]
+            # boolean fields also take `--no-NAME` (argparse.BooleanOptionalAction)
+            refusing = flag not in known and not (flag.startswith("--no-") and "--" + flag[5:] in known)
+        if refusing:
+            out.append(tok)
+    return out

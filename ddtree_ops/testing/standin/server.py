@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -54,7 +55,7 @@ class Handler(BaseHTTPRequestHandler):
         if st.args.node_rank >= 1:
             self._send(200)
             return
-        if st.status != "Up":
+        if st.status != "Up" or st.gracefully_exiting:
             self._send(503)
             return
         if st.args.standin_health_flaps:
@@ -79,6 +80,12 @@ class Handler(BaseHTTPRequestHandler):
             self._send(200, st.model_info())
         elif path in ("/server_info", "/get_server_info"):
             self._send(200, st.server_info())
+        elif path == "/v1/loads":  # SGLang 0.5.23 srt/entrypoints/v1_loads.py, the "core" fields
+            with st.lock:
+                running = st.running
+            self._send(200, {"timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                             "version": "0.5.23", "accelerator": None, "num_accelerators": 0,
+                             "loads": [{"dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": 0}]})
         elif path == "/v1/models":
             name = st.args.served_model_name or st.args.model_path
             self._send(200, {"object": "list", "data": [
@@ -112,10 +119,17 @@ class Handler(BaseHTTPRequestHandler):
             sp = req.get("sampling_params") or {}
             if not isinstance(sp, dict):
                 raise ValueError("sampling_params must be an object")
-            if isinstance(text, list):
-                self._send(200, [st.generate_one(str(t), sp) for t in text])
-            else:
-                self._send(200, st.generate_one(str(text), sp))
+            with st.lock:
+                st.running += 1
+            try:
+                if st.args.standin_generate_seconds > 0:
+                    time.sleep(st.args.standin_generate_seconds)
+                out = [st.generate_one(str(t), sp) for t in text] if isinstance(text, list) else \
+                    st.generate_one(str(text), sp)
+            finally:
+                with st.lock:
+                    st.running -= 1
+            self._send(200, out)
         except (ValueError, TypeError) as exc:
             self._send(400, {"error": {"message": str(exc)}})
         except Exception as exc:  # noqa: BLE001

@@ -37,6 +37,8 @@ class State:
         self.imported = imported
         self.site_packages = site_packages
         self.status = "Starting"  # Starting | Up
+        self.running = 0  # /generate requests in flight (for /v1/loads and the SIGTERM drain)
+        self.gracefully_exiting = False  # SIGTERM received while Up: /health 503, finish what runs
         self.lock = threading.Lock()
         self.health_counter = 0
         self.total_verify_ct = 0

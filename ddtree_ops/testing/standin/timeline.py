@@ -10,7 +10,17 @@ import threading
 import time
 import traceback
 
-from .args import ConfigError, build_parser, logged_server_args, masked, merge_config, record_unknown, underscore_flags
+from .args import (
+    ConfigError,
+    build_parser,
+    logged_server_args,
+    masked,
+    merge_config,
+    record_unknown,
+    sglang_flags,
+    underscore_flags,
+    unrecognized,
+)
 from .logs import log, log_raw
 from .payload import find_site_packages, list_ddtree_modules, prepare_parent_packages, sha256_short
 from .server import _Server, make_server
@@ -24,7 +34,15 @@ class _Terminate(BaseException):
     pass
 
 
+_STATE: State | None = None  # the running server's, for the SIGTERM handler
+
+
 def _on_sigterm(signum, frame):  # noqa: ARG001
+    """SGLang 0.5.23 (tokenizer_manager.py sigterm_watchdog): a healthy server turns /health 503
+    and exits once its requests are done (the main loop waits); one still starting exits at once."""
+    if _STATE is not None and _STATE.status == "Up":
+        _STATE.gracefully_exiting = True
+        return
     raise _Terminate()
 
 
@@ -49,6 +67,11 @@ def run(argv: list[str] | None = None) -> int:
         pass
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    # `--parse-only`: the launch check a deploy runs before anything stops (ddtree_ops/launch_check.py):
+    # parse as the server would at start, exit 0 or 2 with argparse's message, start nothing.
+    parse_only = "--parse-only" in argv
+    if parse_only:
+        argv.remove("--parse-only")
     try:
         argv = merge_config(argv)
     except (ConfigError, OSError) as exc:  # SGLang: the exception ends `launch_server` (exit 1)
@@ -63,6 +86,13 @@ def run(argv: list[str] | None = None) -> int:
         sys.stderr.flush()
         return 2
     args, unknown = parser.parse_known_args(argv)
+    if parse_only:
+        refused = unrecognized(unknown, sglang_flags(find_site_packages(args.standin_site_packages)))
+        if refused:
+            parser.print_usage(sys.stderr)
+            sys.stderr.write(f"{parser.prog}: error: unrecognized arguments: {' '.join(refused)}\n")
+            return 2
+        return 0
     extra = record_unknown(unknown)
     env_load = os.environ.get("DDTREE_STANDIN_LOAD_SECONDS")
     if env_load:
@@ -145,6 +175,8 @@ def run(argv: list[str] | None = None) -> int:
         log(f"Capture cuda graph end. Time elapsed: 0.00 s. mem usage=0.00 GB. avail mem={mem - 70.0:.2f} GB.", "TP0")
 
         state = State(args, extra, imported, site_packages)
+        global _STATE
+        _STATE = state
         if modules and state.ddtree_fns is None:
             log("DDTree functions for /generate not found in sglang.srt.speculative.ddtree_utils "
                 "(build_ddtree_tree, compile_ddtree_retrieve, tree sampling): /generate decodes "
@@ -184,7 +216,16 @@ def run(argv: list[str] | None = None) -> int:
         die_at = None
         if args.standin_die_after_ready is not None:
             die_at = time.monotonic() + max(0.0, args.standin_die_after_ready)
+        last_said = 0.0
         while True:
+            if state.gracefully_exiting:
+                with state.lock:
+                    remaining = state.running
+                if remaining == 0:
+                    raise _Terminate()
+                if time.monotonic() - last_said >= 5:
+                    last_said = time.monotonic()
+                    log(f"Gracefully exiting... Remaining number of requests {remaining}")
             if die_at is not None and time.monotonic() >= die_at:
                 log("Stand-in fault: the server dies after it was declared healthy "
                     "(--standin-die-after-ready)", "TP0")

@@ -1,0 +1,43 @@
+"""The launch check's parse with SGLang 0.5.23's OWN argument parser (ddtree_ops/remote_agent.py
+SGLANG_PARSE_ONLY), run by the real agent against the real sglang in `.venv-sglang`: the patched
+tree accepts the DDTree launch line the unit template renders, an unknown flag is refused as the
+server would refuse it at start, and the pristine tree refuses the DDTree flags (which is why the
+check runs after the new files are installed)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from ddtree_ops.launch_check import launch_line
+from ddtree_ops.testing.fake_host import fake_hosts
+from ddtree_ops.testing.local_agent import local_agent
+from ddtree_ops.units import render_unit
+from sglang_env import PY, need_venv
+
+pytestmark = pytest.mark.sglang
+
+
+def _check(args, overlay):
+    need_venv()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if overlay is not None:
+        env["PYTHONPATH"] = str(overlay)  # the launch check's Python sees the patched tree
+    ch = local_agent(env=env)
+    try:
+        return ch.call({"op": "launch_check", "python": str(PY), "module": "sglang.launch_server", "sglang": True,
+                        "args": list(args), "ports": []}, 300)
+    finally:
+        ch.close()
+
+
+def test_sglangs_own_parser_accepts_the_rendered_ddtree_line_and_refuses_an_unknown_flag(tmp_path, sglang_overlay):
+    line = launch_line(render_unit(fake_hosts(tmp_path, extra_args=["--mem-fraction-static", "0.8"])[0].host))
+    assert line.sglang and "--speculative-ddtree-budget" in line.args
+    ok = _check(line.args, sglang_overlay)
+    assert ok["rc"] == 0, ok["stderr"][-2000:]
+    bad = _check([*line.args, "--no-such-flag", "1"], sglang_overlay)
+    assert bad["rc"] == 2 and "unrecognized arguments: --no-such-flag 1" in bad["stderr"]
+    pristine = _check(line.args, None)
+    assert pristine["rc"] == 2 and "--speculative-ddtree-budget" in pristine["stderr"]

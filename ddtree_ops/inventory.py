@@ -76,6 +76,8 @@ class HealthSettings:
     generate_max_new_tokens: int = 8
     # Before a serving unit is stopped: wait this long at most for its in-flight requests.
     drain_timeout_s: float = 120.0
+    # After a server stops: wait this long at most for every process to give its GPU memory back.
+    gpu_free_timeout_s: float = 120.0
 
 
 @dataclass(frozen=True)
@@ -296,6 +298,7 @@ HEALTH_FIELDS: tuple[Field, ...] = (  # absent keys keep HealthSettings' default
     Field("generate_prompt", non_empty_string(), OMIT),
     Field("generate_max_new_tokens", int_range(1, 4096), OMIT),
     Field("drain_timeout_s", number_range(0, 86400), OMIT),
+    Field("gpu_free_timeout_s", number_range(0, 86400), OMIT),
 )
 
 HOST_FIELDS: tuple[Field, ...] = (

@@ -727,7 +727,7 @@ def op_verify_unit(req):
 
 # Only these programs, and always as an argv (no shell): the controller asks for unit states,
 # actions and log tails; it never sends a command line.
-_PROGRAMS = ("systemctl", "journalctl")
+_PROGRAMS = ("systemctl", "journalctl", "nvidia-smi")
 
 
 def _run(argv, timeout):
@@ -828,6 +828,15 @@ def op_launch_check(req):
     return result
 
 
+def op_proc_info(req):
+    """Command line and ancestors of each asked PID (missing: the process is gone)."""
+    out = {}
+    for pid in req["pids"]:
+        if os.path.isdir("/proc/%d" % int(pid)):
+            out[str(pid)] = {"cmd": _cmdline(int(pid)), "ancestors": _ancestors(int(pid))}
+    return out
+
+
 def _listening_inodes(port):
     inodes = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
@@ -892,6 +901,7 @@ OPS = {
     "release_write": op_release_write, "set_current": op_set_current, "history": op_history,
     "prune": op_prune, "verify_backup": op_verify_backup, "remove_partial": op_remove_partial,
     "verify_unit": op_verify_unit, "run": op_run, "launch_check": op_launch_check,
+    "proc_info": op_proc_info,
 }
 
 

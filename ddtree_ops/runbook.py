@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .errors import CorruptJournal, InputError, RemoteCommandError, RollbackFailed, UnreachableError
+from .gpus import GpuApp, foreign_holders
 from .health import HealthFailure, drain, health_gate, wait_until_serving
 from .journal import journal_problem
 from .launch_check import launch_line, parse_problems, port_problems, ports_to_check
@@ -92,6 +93,7 @@ class Runbook:
         self._states_read: dict[str, UnitState] | None = None
         self.warnings: list[str] = []  # what went wrong without failing the run (housekeeping)
         self._drained: set[str] = set()
+        self._gpu_strangers: set[int] = set()  # GPU holders preflight found and --force let stay
 
     def step(self, name: str, detail: str = "") -> None:
         self.steps.append({"step": name, "t": time.time(), "detail": detail})
@@ -155,8 +157,49 @@ class Runbook:
         facts = read_host(self.session, ps)
         self._states_read = facts["unit_states"]
         plan = compute_plan(self.host, ps, facts, render_unit(self.host, opts.templates_dir), force=opts.force)
-        refusals = [*plan.refusals, *self._compile_problems(ps), *self._unit_problems(plan.unit_new)]
+        gpu = self._gpu_problems()
+        refusals = [*plan.refusals, *self._compile_problems(ps), *self._unit_problems(plan.unit_new),
+                    *([] if opts.force else gpu)]
         return dataclasses.replace(plan, refusals=tuple(refusals))
+
+    def _gpu_problems(self) -> list[str]:
+        """GPU memory held by something that is not one of our units: the new server would not
+        fit after the old one stops."""
+        apps = self.services.gpu_apps()
+        if not apps:
+            return []
+        procs = self.store.call("proc_info", pids=[a.pid for a in apps])
+        ours = {s.main_pid for s in self.services_before().values() if s.main_pid}
+        units = ", ".join((self.host.unit, *self.host.conflicts))
+        foreign = foreign_holders(apps, procs, ours)
+        # With --force these stay, and the wait after the stop does not wait for them.
+        self._gpu_strangers = {a.pid for a in apps if foreign and not ({a.pid, *(procs.get(str(a.pid)) or {})
+                                                                        .get("ancestors", [])} & ours)}
+        return [f"GPU memory: {d}, and it is not a process of {units}: the new server could run out of GPU "
+                f"memory. Stop it, or pass --force" for d in foreign]
+
+    def wait_gpus_free(self, step: str = "gpus free") -> None:
+        """After the old server stopped: wait (at most `health.gpu_free_timeout_s`) until no
+        process holds GPU memory; StepFailed naming the holders when that does not happen."""
+        t0 = time.monotonic()
+
+        def holders() -> list[GpuApp] | None:
+            apps = self.services.gpu_apps()
+            return None if apps is None else [a for a in apps if a.pid not in self._gpu_strangers]
+
+        apps = holders()
+        if apps is None:
+            return  # no nvidia-smi: no NVIDIA GPU to wait for
+        first = len(apps)
+        while apps and time.monotonic() - t0 < self.host.health.gpu_free_timeout_s:
+            self.session.sleep(min(self.host.health.poll_interval_s, 1.0))
+            apps = holders() or []
+        if apps:
+            held = ", ".join(f"pid {a.pid} ({a.used_mib} MiB)" for a in apps[:4])
+            raise StepFailed(step, f"GPU memory still held {self.host.health.gpu_free_timeout_s:g} s after the old "
+                                   f"server stopped: {held}")
+        if first:
+            self.step(step, f"waited {time.monotonic() - t0:.1f} s for {first} process(es) to free GPU memory")
 
     def _compile_problems(self, ps: PatchSet) -> list[str]:
         pyfiles = {target_path(self.host, pf.path): b64(pf.source.read_bytes()) for pf in ps.python_files()}
@@ -249,6 +292,8 @@ class Runbook:
                 self._guarded(f"disable {u}", lambda u=u: self.services.disable(u))
         if j["enabled_before"].get(h.unit) != "enabled":
             self._guarded(f"enable {h.unit}", lambda: self.services.enable(h.unit))
+        if any(j["active_before"].get(u) in RUNNING for u in h.conflicts):
+            self._guarded("gpus free", self.wait_gpus_free)
 
     def check_launch(self, plan: HostPlan) -> None:
         """The new ExecStart through the installed server's own argument parser (new files in
@@ -287,8 +332,10 @@ class Runbook:
     # -- restart, wait and gate ------------------------------------------------------------------
     def restart(self, release: Release) -> None:
         self._journal(release, "restart")
-        if self.services_before()[self.host.unit].active == "active":  # a redeploy: it serves now
+        if self.services_before()[self.host.unit].active in RUNNING:  # a redeploy: it serves now
             self.drain(self.host.unit)
+            self._guarded("restart", lambda: self.services.stop(self.host.unit))
+            self._guarded("gpus free", self.wait_gpus_free)
         self._guarded("restart", lambda: self.services.restart(self.host.unit))
         release.pid = self.services.main_pid(self.host.unit)
 
@@ -470,11 +517,15 @@ class Runbook:
             elif e != "enabled" and now[u].enabled == "enabled":
                 self.services.disable(u)
         # Stop what was not running before, first: the units conflict on the port.
+        stopped = False
         for u in recorded:
             if u not in was_active and now[u].active in (*RUNNING, "failed"):
                 if now[u].active == "active":
                     self.drain(u)
                 self.services.stop(u)
+                stopped = True
+        if stopped and any(not (untouched and now[u].active == "active") for u in was_active):
+            self.wait_gpus_free("rollback: gpus free")
         for u in was_active:
             pid = now[u].main_pid if untouched and now[u].active == "active" else None
             if not pid and now[u].active == "active":  # it serves, and is about to be restarted

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .errors import RemoteCommandError
+from .gpus import QUERY, GpuApp, parse_gpu_apps
 from .redaction import SECRET_NAME_WORDS
 
 if TYPE_CHECKING:
@@ -134,6 +135,16 @@ class Services:
                                          "scrub_files": list(self.scrub_files),
                                          "secret_words": list(SECRET_NAME_WORDS)}, 60)["results"]
         return parse_probe(show["stdout"], journal["stdout"])
+
+    def gpu_apps(self) -> list[GpuApp] | None:
+        """Processes holding GPU memory (nvidia-smi); None on a host without nvidia-smi."""
+        r = self._run(QUERY, timeout=60)
+        if r["rc"] == 127:
+            return None
+        if r["rc"] != 0:
+            raise RemoteCommandError(f"{self.host_name}: nvidia-smi exited {r['rc']}: "
+                                     f"{(r['stderr'] or r['stdout']).strip()[-400:]}")
+        return parse_gpu_apps(r["stdout"])
 
     def _checked(self, argv: list[str], timeout: float = 120) -> None:
         r = self._run(argv, timeout)

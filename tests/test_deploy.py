@@ -159,6 +159,35 @@ def test_a_long_generation_in_flight_completes_before_the_server_is_restarted(fr
     assert run_cli("rollback", "-i", str(th.inventory), "--to", "original", "--yes").code == 0
 
 
+def test_gpu_memory_left_behind_by_the_old_server_is_waited_for_before_the_new_one_starts(fresh_host, tmp_path,
+                                                                                       good_patchset):
+    """The sandbox's nvidia-smi lists the stand-in's 'GPU memory'; a process the old server left
+    behind holds some for 3 s after it stopped: the redeploy starts the new server only after that."""
+    th = fresh_host.with_vars(tmp_path, extra_args=fresh_host.base_extra_args() + ["--standin-orphan-gpu-seconds", "3"])
+    assert run_cli("deploy", "-i", str(th.inventory), "-p", str(good_patchset), "--yes").code == 0
+    r = run_cli("deploy", "-i", str(th.inventory), "-p", str(good_patchset), "--budget", "17", "--yes", "--json")
+    assert r.code == 0, r.stderr
+    steps = r.json()["hosts"][0]["steps"]
+    [gpus] = [s for s in steps if s["step"] == "gpus free"]
+    waited = float(gpus["detail"].split("waited ")[1].split(" s")[0])
+    assert waited >= 2.0, gpus
+    assert run_cli("rollback", "-i", str(th.inventory), "--to", "original", "--yes").code == 0
+
+
+def test_gpu_memory_held_by_a_process_that_is_not_ours_is_refused_in_preflight(fresh_host, good_patchset):
+    th = fresh_host
+    th.ssh(["sh", "-c", "nohup sh -c 'echo 1234 > /run/ddtree-sandbox/gpu/$$; exec sleep 120' >/dev/null 2>&1 &"])
+    pid = int(th.ssh(["sh", "-c", "for f in /run/ddtree-sandbox/gpu/*; do "
+                                  "grep -qx 1234 $f && basename $f; done"]).stdout.split()[0])
+    try:
+        r = run_cli("deploy", "-i", str(th.inventory), "-p", str(good_patchset), "--yes")
+        assert r.code == 2, r.stderr
+        assert f"GPU memory: pid {pid} (sleep 120) holds 1234 MiB" in r.stderr
+        assert th.unit_state(DFLASH) == "active"
+    finally:
+        th.ssh(["kill", str(pid)], check=False)
+
+
 def test_warm_up_that_never_completes_hits_the_deadline_and_rolls_back(fresh_host, tmp_path, good_patchset):
     th = fresh_host.with_vars(tmp_path, extra_args=fresh_host.base_extra_args() + ["--standin-warmup-never-completes"])
     paths = snapshot_paths(th, [PROBE, DFLASH_INFO])

@@ -20,6 +20,7 @@ from ddtree_ops.errors import (
     PreflightError,
     RollbackFailed,
 )
+from ddtree_ops.gpus import GpuApp
 from ddtree_ops.journal import journal_problem
 from ddtree_ops.multinode import deploy_server, rollback_server
 from ddtree_ops.results import Outcome
@@ -539,3 +540,49 @@ def test_a_rollback_drains_the_release_it_stops(fake, patchset):
     r = rollback_host(fake.session(), None, OPTS)
     assert any(s["step"] == "drain" and s["detail"].startswith(fake.host.unit) for s in r.steps), r.steps
     assert fake.in_flight[fake.host.unit] == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# GPUs free before start (issue 12, deliverable 2)
+
+
+def _gpu(fake, pid, mib, cmd="python3 -m sglang.launch_server", ancestors=(1,)):
+    fake.gpu_apps = (fake.gpu_apps or []) + [GpuApp(pid, mib)]
+    fake.procs[pid] = {"cmd": cmd, "ancestors": list(ancestors)}
+
+
+def test_the_new_server_starts_only_after_the_old_one_gave_its_gpu_memory_back(fake, patchset):
+    old = fake.units[DFLASH_UNIT].pid
+    _gpu(fake, old, 90000)
+    _gpu(fake, 5001, 2000, cmd="sglang::scheduler_TP1", ancestors=(old, 1))  # a worker of the old server
+    fake.gpu_linger = {old: 1, 5001: 3}  # still exiting for a few looks after the stop
+    r = deploy_host(fake.session(), patchset, OPTS)
+    assert r.outcome == Outcome.DEPLOYED
+    [detail] = [s["detail"] for s in r.steps if s["step"] == "gpus free"]
+    assert "for 2 process(es)" in detail
+    ev = fake.events
+    stop, start = ev.index(f"systemctl stop {DFLASH_UNIT}"), ev.index(f"systemctl restart {fake.host.unit}")
+    looks = [i for i, e in enumerate(ev) if e == "nvidia-smi" and stop < i < start]
+    assert len(looks) >= 4 and fake.gpu_apps == []
+
+
+def test_gpu_memory_held_by_a_stranger_is_refused_in_preflight_and_force_lets_it_stay(fake, patchset):
+    _gpu(fake, 777, 1000, cmd="python3 leftover_eval.py")
+    before = snapshot(fake)
+    with pytest.raises(PreflightError) as ei:
+        deploy_host(fake.session(), patchset, OPTS)
+    assert "pid 777 (python3 leftover_eval.py) holds 1000 MiB" in str(ei.value) and "--force" in str(ei.value)
+    assert snapshot(fake) == before
+    r = deploy_host(fake.session(), patchset, dataclasses.replace(OPTS, force=True))
+    assert r.outcome == Outcome.DEPLOYED and [a.pid for a in fake.gpu_apps] == [777]
+
+
+def test_gpu_memory_that_is_never_given_back_fails_the_start_and_rolls_back(tmp_path, patchset):
+    fake = fake_hosts(tmp_path / "h", health={"gpu_free_timeout_s": 0})[0]
+    old = fake.units[DFLASH_UNIT].pid
+    _gpu(fake, old, 90000)
+    fake.gpu_linger = {old: 10**6}
+    with pytest.raises(DeployFailed) as ei:
+        deploy_host(fake.session(), patchset, OPTS)
+    assert ei.value.result.failed_step == "gpus free" and f"pid {old} (90000 MiB)" in ei.value.result.message
+    assert fake.units[DFLASH_UNIT].active == "active" and current(fake) is None

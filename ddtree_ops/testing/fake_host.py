@@ -31,6 +31,7 @@ from typing import Any, Callable
 import httpx
 
 from ..errors import RemoteCommandError, UnreachableError
+from ..gpus import GpuApp
 from ..health import http_client
 from ..inventory import Host, parse_inventory
 from ..release_store import ReleaseStore, answer_result
@@ -97,6 +98,12 @@ class FakeHost:
         # Requests in flight per unit, as /v1/loads reports them (None: no /v1/loads at all).
         self.in_flight: dict[str, int] | None = None
         self.stuck_requests = False  # in-flight requests never finish
+        # GPU memory holders as nvidia-smi lists them (None: no nvidia-smi); a stopped unit's
+        # process leaves the list after `gpu_linger` more looks (a worker still exiting).
+        self.gpu_apps: list[GpuApp] | None = None
+        self.procs: dict[int, dict[str, Any]] = {}  # pid -> {cmd, ancestors}, for proc_info
+        self.gpu_linger: dict[int, int] = {}
+        self.ended_pids: set[int] = set()  # main PIDs of servers that stopped or were replaced
         self.port_holders: dict[int, list[dict[str, Any]]] = {}  # port -> [{pid, cmd, ancestors}]
         self.boot: Callable[[FakeHost, str], str] = _fate_from_installed_files
         self._next_pid = 1000
@@ -163,6 +170,8 @@ class FakeHost:
         op = request["op"]
         if op == "verify_unit":
             return {"available": True, "returncode": 0, "stdout": "", "stderr": ""}
+        if op == "proc_info":  # the fake's GPU processes are not processes of this machine
+            return {str(pid): self.procs[pid] for pid in request["pids"] if pid in self.procs}
         if op == "launch_check":  # no server program here: the verdict and port holders are set by tests
             refused = self.launch_refusal
             return {"rc": 2 if refused else 0, "stdout": "", "stderr": refused or "",
@@ -184,6 +193,8 @@ class FakeHost:
     # -- units -----------------------------------------------------------------------------------
     def _start(self, unit: str) -> None:
         u = self.units.setdefault(unit, FakeUnit())
+        if u.pid:
+            self.ended_pids.add(u.pid)
         self._next_pid += 1
         u.active, u.pid, u.ready = "active", self._next_pid, False
         u.loading_polls = self.load_polls
@@ -329,12 +340,29 @@ class FakeServices:
         log = [f"{unit}: pid {u.pid} {'ready' if u.ready else 'loading' if u.active == 'active' else u.active}"]
         return UnitProbe(u.active, u.pid, log)
 
+    def gpu_apps(self) -> list[GpuApp] | None:
+        self.conn.point("nvidia-smi")
+        f = self.fake
+        if f.gpu_apps is None:
+            return None
+        for a in list(f.gpu_apps):
+            if not ({a.pid, *f.procs.get(a.pid, {}).get("ancestors", [])} & f.ended_pids):
+                continue  # its server still runs, or it is nobody's (a stranger): it stays
+            left = f.gpu_linger.get(a.pid, 0)
+            if left <= 0:
+                f.gpu_apps.remove(a)
+            else:
+                f.gpu_linger[a.pid] = left - 1
+        return list(f.gpu_apps)
+
     def daemon_reload(self) -> None:
         self.conn.point("systemctl daemon-reload")
 
     def stop(self, unit: str) -> None:
         self.conn.point(f"systemctl stop {unit}")
         u = self.fake.units.setdefault(unit, FakeUnit())
+        if u.pid:
+            self.fake.ended_pids.add(u.pid)
         u.active, u.pid, u.ready = "inactive", None, False
 
     def restart(self, unit: str) -> None:

@@ -25,7 +25,8 @@ mount --bind "$H/opt" /opt
 # site-packages: the cached wheel tree below (never written), this host's changes above.
 mount -t overlay ddtree-site -o "lowerdir=$SITE_TREE,upperdir=$H/site-upper,workdir=$H/site-work" "$SITE_PACKAGES"
 mount -t tmpfs -o mode=0755 ddtree-run /run
-mkdir -p /run/sshd /run/systemd /run/lock /run/ddtree-sandbox
+mkdir -p /run/sshd /run/systemd /run/lock /run/ddtree-sandbox /run/ddtree-sandbox/bin /run/ddtree-sandbox/gpu
+cp "$H/bin/nvidia-smi" /run/ddtree-sandbox/bin/
 cp "$H/ssh/ssh_host_ed25519_key" "$H/ssh/authorized_keys" "$H/ssh/sshd_config" /run/ddtree-sandbox/
 chmod 600 /run/ddtree-sandbox/ssh_host_ed25519_key
 # The machine's own units stay invisible; systemctl and journalctl are the replacement's. That

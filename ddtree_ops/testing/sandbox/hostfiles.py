@@ -90,6 +90,28 @@ def multinode_inventory(doc: dict[str, Any], names: list[str], group: str = "ser
     return doc
 
 
+# The sandbox hosts have no GPU. Their `nvidia-smi` (on the PATH sshd gives sessions) lists the
+# processes that registered GPU memory in GPU_DIR (a file per PID holding MiB: the stand-in does,
+# and its --standin-orphan-gpu-seconds child), as long as they are alive; only the query the tool
+# sends is answered.
+GPU_BIN = "/run/ddtree-sandbox/bin"
+GPU_DIR = "/run/ddtree-sandbox/gpu"
+NVIDIA_SMI = f"""import os, sys
+if "--query-compute-apps=pid,used_memory" not in sys.argv:
+    sys.exit("sandbox nvidia-smi: only --query-compute-apps=pid,used_memory --format=csv,noheader,nounits")
+d = {GPU_DIR!r}
+for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+    try:
+        with open(f"/proc/{{name}}/stat") as fh:
+            state = fh.read().rsplit(")", 1)[1].split()[0]
+        mib = int(open(os.path.join(d, name)).read().strip() or 0)
+    except (OSError, ValueError, IndexError):
+        continue
+    if state != "Z":
+        print(f"{{name}}, {{mib}}")
+"""
+
+
 def write_secrets_config(h: SandboxHost, options: dict[str, str], *, mode: int = 0o600) -> str:
     """Provision the host's secrets_config as an operator does: SGLang options (`api-key`, ...)
     as a YAML file at SECRETS_CONFIG, every value quoted (an unquoted `0123` would be the YAML
@@ -168,12 +190,13 @@ def _prepare_host_files(h: SandboxHost, host: Host, client_pub: Path,
         "KbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\nPrintMotd no\n"
         "MaxSessions 64\nMaxStartups 64:30:128\n"
         f"Subsystem sftp {SFTP_SERVER}\n"
-        f"SetEnv PATH={SYSTEM_PATH}\n"
+        f"SetEnv PATH={GPU_BIN}:{SYSTEM_PATH}\n"
     )
     (d / "bin" / "systemctl").write_text(
         f"#!/bin/sh\nexec {sys.executable} {systemctl3()} -c MinimumYield=0.1 \"$@\"\n")
     (d / "bin" / "journalctl").write_text(f"#!/bin/sh\nexec {sys.executable} {journalctl3()} \"$@\"\n")
-    for f in ("systemctl", "journalctl"):
+    (d / "bin" / "nvidia-smi").write_text(f"#!{sys.executable}\n" + NVIDIA_SMI)
+    for f in ("systemctl", "journalctl", "nvidia-smi"):
         os.chmod(d / "bin" / f, 0o755)
     (d / BOOT_SCRIPT).write_text(boot_script())
     pub = (d / "ssh" / f"{HOST_KEY}.pub").read_text().split()

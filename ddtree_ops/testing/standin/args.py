@@ -60,6 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="exit 1 SECONDS after the server declared itself ready")
     g.add_argument("--standin-generate-seconds", type=float, default=0.0, metavar="S",
                    help="each /generate takes S seconds (in flight meanwhile: /v1/loads, the SIGTERM drain)")
+    g.add_argument("--standin-gpu-dir", default="/run/ddtree-sandbox/gpu", metavar="DIR",
+                   help="register this process's 'GPU memory' here (a file per PID) for the sandbox's nvidia-smi, "
+                        "when the folder exists")
+    g.add_argument("--standin-gpu-mib", type=int, default=80000, help="MiB of 'GPU memory' to register")
+    g.add_argument("--standin-orphan-gpu-seconds", type=float, default=None, metavar="S",
+                   help="once the server ends, a leftover process outside the unit holds 'GPU memory' for "
+                        "S seconds (what a crashed or stopped server can leave behind)")
     g.add_argument("--standin-site-packages", default=None, metavar="DIR",
                    help="where to look for sglang when it is not importable")
     return p

@@ -46,6 +46,49 @@ def _on_sigterm(signum, frame):  # noqa: ARG001
     raise _Terminate()
 
 
+# What a crashed or stopped server can leave behind: a process outside the unit (so stopping the
+# unit neither waits for it nor ends it) that holds GPU memory for a while after the server is
+# gone. It leaves the server's process tree at once (double fork), waits for the server to end,
+# then registers its GPU memory for the given seconds.
+_ORPHAN = """import os, sys, time
+if os.fork():
+    os._exit(0)
+os.setsid()
+gpu_dir, mib, parent, linger = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+def alive():
+    try:
+        return open(f"/proc/{parent}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+while alive():
+    time.sleep(0.1)
+path = os.path.join(gpu_dir, str(os.getpid()))
+open(path, "w").write(mib)
+try:
+    time.sleep(linger)
+finally:
+    os.unlink(path)
+"""
+
+
+def hold_gpu_memory(args) -> None:
+    """Register this server's 'GPU memory' for the sandbox's nvidia-smi (it lists live PIDs only,
+    so nothing needs removing), and start the lingering worker if asked."""
+    d = args.standin_gpu_dir
+    if not d or not os.path.isdir(d):
+        return
+    with open(os.path.join(d, str(os.getpid())), "w") as fh:
+        fh.write(str(args.standin_gpu_mib))
+    if args.standin_orphan_gpu_seconds is not None:
+        import subprocess
+
+        subprocess.run([sys.executable, "-c", _ORPHAN, d, "2000", str(os.getpid()),
+                        str(args.standin_orphan_gpu_seconds)],
+                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        log(f"Stand-in: once this server ends, a leftover process holds GPU memory for "
+            f"{args.standin_orphan_gpu_seconds:g} s (--standin-orphan-gpu-seconds)", "TP0")
+
+
 def _sleep(seconds: float) -> None:
     end = time.monotonic() + max(0.0, seconds)
     while True:
@@ -125,6 +168,7 @@ def run(argv: list[str] | None = None) -> int:
         mem = 94.50
         t_load = time.monotonic()
         log(f"Load weight begin. avail mem={mem:.2f} GB", "TP0")
+        hold_gpu_memory(args)
         if args.standin_never_listen:
             log("Stand-in fault: weight loading never ends (--standin-never-listen)", "TP0")
             while True:

@@ -125,7 +125,7 @@ def test_an_unknown_launch_flag_is_refused_before_the_old_server_stops(fresh_hos
                                                                                    "--no-such-sglang-flag", "1"])
     paths = snapshot_paths(th, [PROBE, DFLASH_INFO])
     before, dflash_pid = th.snapshot(paths), th.main_pid(DFLASH)
-    r = run_cli("deploy", "-i", str(th.inventory), "-p", str(good_patchset), "--yes", "--json")
+    r = run_cli("deploy", "-i", str(th.inventory), "-l", th.name, "-p", str(good_patchset), "--yes", "--json")
     assert r.code == 3, r.stderr
     res = r.json()["hosts"][0]
     assert res["failed_step"] == "launch check", res
@@ -141,7 +141,7 @@ def test_a_long_generation_in_flight_completes_before_the_server_is_restarted(fr
     import threading
 
     th = fresh_host.with_vars(tmp_path, extra_args=fresh_host.base_extra_args() + ["--standin-generate-seconds", "4"])
-    assert run_cli("deploy", "-i", str(th.inventory), "-p", str(good_patchset), "--yes").code == 0
+    assert run_cli("deploy", "-i", str(th.inventory), "-l", th.name, "-p", str(good_patchset), "--yes").code == 0
     got: list = []
     body = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 4}}
     t = threading.Thread(target=lambda: got.append(httpx.post(th.host.base_url + "/generate", json=body, timeout=60)))
@@ -150,7 +150,8 @@ def test_a_long_generation_in_flight_completes_before_the_server_is_restarted(fr
     while httpx.get(th.host.base_url + "/v1/loads", timeout=5).json()["loads"][0]["num_running_reqs"] != 1:
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    r = run_cli("deploy", "-i", str(th.inventory), "-p", str(good_patchset), "--budget", "17", "--yes", "--json")
+    r = run_cli("deploy", "-i", str(th.inventory), "-l", th.name, "-p", str(good_patchset), "--budget", "17", "--yes",
+                "--json")
     t.join(60)
     assert r.code == 0, r.stderr
     assert got and got[0].status_code == 200 and got[0].json()["text"], got
@@ -164,8 +165,9 @@ def test_gpu_memory_left_behind_by_the_old_server_is_waited_for_before_the_new_o
     behind holds some for 3 s after it stopped: the redeploy starts the new server only after that."""
     th = fresh_host.with_vars(tmp_path, extra_args=fresh_host.base_extra_args() + ["--standin-orphan-gpu-seconds", "3"])
     try:
-        assert run_cli("deploy", "-i", str(th.inventory), "-p", str(good_patchset), "--yes").code == 0
-        r = run_cli("deploy", "-i", str(th.inventory), "-p", str(good_patchset), "--budget", "17", "--yes", "--json")
+        assert run_cli("deploy", "-i", str(th.inventory), "-l", th.name, "-p", str(good_patchset), "--yes").code == 0
+        r = run_cli("deploy", "-i", str(th.inventory), "-l", th.name, "-p", str(good_patchset), "--budget", "17",
+                    "--yes", "--json")
         assert r.code == 0, r.stderr
         steps = r.json()["hosts"][0]["steps"]
         [gpus] = [s for s in steps if s["step"] == "gpus free"]
@@ -185,7 +187,7 @@ def test_gpu_memory_held_by_a_process_that_is_not_ours_is_refused_in_preflight(f
     pid = int(th.ssh(["sh", "-c", "for f in /run/ddtree-sandbox/gpu/*; do "
                                   "grep -qx 1234 $f && basename $f; done"]).stdout.split()[0])
     try:
-        r = run_cli("deploy", "-i", str(th.inventory), "-p", str(good_patchset), "--yes")
+        r = run_cli("deploy", "-i", str(th.inventory), "-l", th.name, "-p", str(good_patchset), "--yes")
         assert r.code == 2, r.stderr
         assert f"GPU memory: pid {pid} (sleep 120) holds 1234 MiB" in r.stderr
         assert th.unit_state(DFLASH) == "active"
@@ -258,24 +260,24 @@ def test_held_lock_exits_5_and_names_the_holder(fresh_host, good_patchset):
 
 def test_rollback_steps_back_one_release_then_to_original(fresh_host, good_patchset, tmp_path):
     inv = str(fresh_host.inventory)
-    assert run_cli("deploy", "-i", inv, "-p", str(good_patchset), "--yes", "--budget", "16").code == 0
+    assert run_cli("deploy", "-i", inv, "-l", "sbx1", "-p", str(good_patchset), "--yes", "--budget", "16").code == 0
     first = run_cli("history", "--host", "sbx1", "-i", inv, "--json").json()["current"]
     v2 = make_patchset(tmp_path / "v2", {
         PROBE: b"PROBE = 'version 2'\n",
         DFLASH_INFO: upstream_file(DFLASH_INFO) + b"\n# v2\n",
     })
-    assert run_cli("deploy", "-i", inv, "-p", str(v2), "--yes", "--budget", "32").code == 0
+    assert run_cli("deploy", "-i", inv, "-l", "sbx1", "-p", str(v2), "--yes", "--budget", "32").code == 0
     h = fresh_host.host
     assert fresh_host.read(f"{h.site_packages}/{PROBE}") == b"PROBE = 'version 2'\n"
 
-    r = run_cli("rollback", "-i", inv, "--yes", "--json")
+    r = run_cli("rollback", "-i", inv, "-l", "sbx1", "--yes", "--json")
     assert r.code == 0, r.stderr
     assert r.json()["hosts"][0]["release"] == first
     assert fresh_host.read(f"{h.site_packages}/{PROBE}") == (good_patchset / "files" / PROBE).read_bytes()
     assert parse_exec_flags(fresh_host.read(h.unit_path).decode())["budget"] == 16
     assert _healthy(fresh_host)
 
-    r = run_cli("rollback", "-i", inv, "--yes", "--to", "original", "--json")
+    r = run_cli("rollback", "-i", inv, "-l", "sbx1", "--yes", "--to", "original", "--json")
     assert r.code == 0, r.stderr
     snap = fresh_host.snapshot([f"{h.site_packages}/{DFLASH_INFO}", f"{h.site_packages}/{PROBE}"])
     assert snap == {f"{h.site_packages}/{DFLASH_INFO}": UPSTREAM_DFLASH_INFO, f"{h.site_packages}/{PROBE}": None}

@@ -35,13 +35,17 @@ def parse_gpu_apps(text: str) -> list[GpuApp]:
     return apps
 
 
-def foreign_holders(apps: list[GpuApp], procs: dict[str, dict[str, Any]], ours: set[int]) -> list[str]:
-    """Descriptions of the GPU processes that are not ours: neither a main process of one of the
-    units this deploy manages nor a descendant of one. `procs`: pid → {cmd, ancestors}."""
-    out = []
-    for a in apps:
-        info = procs.get(str(a.pid)) or {}
-        if {a.pid, *info.get("ancestors", [])} & ours:
-            continue
-        out.append(f"pid {a.pid} ({info.get('cmd') or 'gone'}) holds {a.used_mib} MiB")
-    return out
+def of_our_units(pid: int, ancestors: list[int], main_pids: set[int]) -> bool:
+    """A process is one of our units' when it is a unit's main process or descends from one (a
+    server's workers are its children). Used for GPU holders and for port holders alike."""
+    return bool({pid, *ancestors} & main_pids)
+
+
+def foreign_apps(apps: list[GpuApp], procs: dict[str, dict[str, Any]], ours: set[int]) -> list[GpuApp]:
+    """The GPU processes that are not ours. `procs`: pid → {cmd, ancestors} (a gone one: absent)."""
+    return [a for a in apps if not of_our_units(a.pid, (procs.get(str(a.pid)) or {}).get("ancestors", []), ours)]
+
+
+def describe(app: GpuApp, procs: dict[str, dict[str, Any]]) -> str:
+    return f"pid {app.pid} ({(procs.get(str(app.pid)) or {}).get('cmd') or 'gone'}) holds {app.used_mib} MiB"
+

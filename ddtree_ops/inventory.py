@@ -149,6 +149,12 @@ class Host:
     def unit_path(self) -> str:
         return f"/etc/systemd/system/{self.unit}"
 
+    @property
+    def secret_files(self) -> tuple[str, ...]:
+        """Files on the host whose secret values never leave it: the agent blanks them out of log
+        tails and parser messages (SGLang repeats its API key in both)."""
+        return tuple(f for f in (self.secrets_config, self.environment_file) if f)
+
 
 @dataclass(frozen=True)
 class Inventory:

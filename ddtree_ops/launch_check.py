@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .gpus import of_our_units
 from .inventory import Host
 from .units import exec_start_words
 
@@ -73,7 +74,7 @@ def port_problems(holders: dict[str, list[dict[str, Any]]], ours: set[int]) -> l
     one) would make the new server fail to bind after the old one stopped."""
     problems = []
     for port, procs in sorted(holders.items(), key=lambda kv: int(kv[0])):
-        foreign = [p for p in procs if not ({p["pid"], *p.get("ancestors", [])} & ours)]
+        foreign = [p for p in procs if not of_our_units(p["pid"], p.get("ancestors", []), ours)]
         if foreign:
             who = ", ".join(f"pid {p['pid']} ({p.get('cmd') or '?'})" for p in foreign[:3])
             problems.append(f"port {port} is held by {who}, not by a unit this deploy replaces; the new server "

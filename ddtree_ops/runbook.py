@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .errors import CorruptJournal, InputError, RemoteCommandError, RollbackFailed, UnreachableError
-from .gpus import GpuApp, foreign_holders
+from .gpus import GpuApp, describe, foreign_apps
 from .health import HealthFailure, drain, health_gate, wait_until_serving
 from .journal import journal_problem
 from .launch_check import launch_line, parse_problems, port_problems, ports_to_check
@@ -169,14 +169,16 @@ class Runbook:
         if not apps:
             return []
         procs = self.store.call("proc_info", pids=[a.pid for a in apps])
-        ours = {s.main_pid for s in self.services_before().values() if s.main_pid}
         units = ", ".join((self.host.unit, *self.host.conflicts))
-        foreign = foreign_holders(apps, procs, ours)
+        foreign = foreign_apps(apps, procs, self._our_main_pids())
         # With --force these stay, and the wait after the stop does not wait for them.
-        self._gpu_strangers = {a.pid for a in apps if foreign and not ({a.pid, *(procs.get(str(a.pid)) or {})
-                                                                        .get("ancestors", [])} & ours)}
-        return [f"GPU memory: {d}, and it is not a process of {units}: the new server could run out of GPU "
-                f"memory. Stop it, or pass --force" for d in foreign]
+        self._gpu_strangers = {a.pid for a in foreign}
+        return [f"GPU memory: {describe(a, procs)}, and it is not a process of {units}: the new server could run "
+                f"out of GPU memory. Stop it, or pass --force" for a in foreign]
+
+    def _our_main_pids(self) -> set[int]:
+        """Main PIDs of the units this run manages, as preflight read them (nothing changed since)."""
+        return {s.main_pid for s in self.services_before().values() if s.main_pid}
 
     def wait_gpus_free(self, step: str = "gpus free") -> None:
         """After the old server stopped: wait (at most `health.gpu_free_timeout_s`) until no
@@ -305,10 +307,9 @@ class Runbook:
             return
         ports = ports_to_check(h)
         res = self.store.call("launch_check", python=line.python, module=line.module, args=list(line.args),
-                              sglang=line.sglang, ports=ports, scrub_files=[f for f in (h.secrets_config,) if f],
+                              sglang=line.sglang, ports=ports, scrub_files=list(h.secret_files),
                               secret_words=list(SECRET_NAME_WORDS))
-        ours = {s.main_pid for s in self.services_before().values() if s.main_pid}
-        problems = parse_problems(line, res) + port_problems(res["holders"], ours)
+        problems = parse_problems(line, res) + port_problems(res["holders"], self._our_main_pids())
         if problems:
             raise StepFailed("launch check", "; ".join(problems))
         self.step("launch check", f"{line.module} accepts the launch line; port{'s' if len(ports) > 1 else ''} "

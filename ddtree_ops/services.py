@@ -115,7 +115,7 @@ class Services:
         self.agent, self.host_name = agent, host_name
         # Files on the host whose secret values the agent blanks out of log tails before they
         # leave the host (SGLang logs its API key at start-up).
-        self.scrub_files = tuple(f for f in scrub_files if f)
+        self.scrub_files = scrub_files
 
     def _run(self, argv: list[str], timeout: float = 120) -> dict:
         return self.agent.call({"op": "run", "argv": argv, "timeout": timeout}, timeout + 30)

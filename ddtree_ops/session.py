@@ -27,7 +27,7 @@ class HostSession:
         self.host, self.conn = host, conn
         self.agent = AgentChannel(conn, host)
         self.store = ReleaseStore(self.agent, host)
-        self.services = Services(self.agent, host.name, (host.secrets_config, host.environment_file))
+        self.services = Services(self.agent, host.name, host.secret_files)
 
     def http(self) -> httpx.Client:
         return http_client(self.host)

@@ -180,13 +180,16 @@ def test_the_agent_runs_isolated_without_site_or_pythonpath(tmp_path):
 
 
 def test_gpu_apps_from_nvidia_smi_csv_and_which_holders_are_not_ours():
-    from ddtree_ops.gpus import GpuApp, foreign_holders, parse_gpu_apps
+    from ddtree_ops.gpus import GpuApp, describe, foreign_apps, parse_gpu_apps
+
+    def foreign(apps, procs, ours):
+        return [describe(a, procs) for a in foreign_apps(apps, procs, ours)]
 
     text = "1234, 81920\n5678, [N/A]\nNo running processes found\n\n"
     assert parse_gpu_apps(text) == [GpuApp(1234, 81920), GpuApp(5678, 0)]
     procs = {"1234": {"cmd": "python3 -m sglang.launch_server", "ancestors": [1]},
              "5678": {"cmd": "sglang::scheduler", "ancestors": [1234, 1]}}
-    assert foreign_holders(parse_gpu_apps(text), procs, ours={1234}) == []
-    assert foreign_holders(parse_gpu_apps(text), procs, ours={99}) == [
+    assert foreign(parse_gpu_apps(text), procs, ours={1234}) == []
+    assert foreign(parse_gpu_apps(text), procs, ours={99}) == [
         "pid 1234 (python3 -m sglang.launch_server) holds 81920 MiB", "pid 5678 (sglang::scheduler) holds 0 MiB"]
-    assert foreign_holders([GpuApp(7, 10)], {}, ours=set()) == ["pid 7 (gone) holds 10 MiB"]
+    assert foreign([GpuApp(7, 10)], {}, ours=set()) == ["pid 7 (gone) holds 10 MiB"]

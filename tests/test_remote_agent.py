@@ -107,76 +107,74 @@ def test_install_rejects_content_that_arrived_corrupted(host):
     assert [f for f in os.listdir(host["site"] / "pkg") if f.endswith(".tmp")] == []
 
 
+@pytest.fixture
+def agents():
+    """agents(n) -> n agent processes (local, over pipes); every one is closed after the test."""
+    started = []
+
+    def start(n):
+        chans = [local_agent() for _ in range(n)]
+        started.extend(chans)
+        return chans
+
+    yield start
+    for ch in started:
+        ch.close()
+
+
 def _lock(ch, state, token, user="alice", **kw):
     return ch.call({"op": "lock", "state_dir": state, "holder": {"token": token, "user": user}, **kw}, 60)
 
 
-def test_the_lock_lives_as_long_as_its_agent_process(host):
+def test_the_lock_lives_as_long_as_its_agent_process(host, agents):
     state = str(host["state"])
-    a, b = local_agent(), local_agent()
-    try:
-        assert _lock(a, state, "t1")["acquired"]
-        refused = _lock(b, state, "t2", "bob")
-        assert not refused["acquired"]
-        assert (refused["holder"]["user"], refused["holder"]["token"]) == ("alice", "t1")
-        assert refused["holder"]["agent_pid"] == agent_pid(a)
-        kill_agent(a)  # the controller was killed / its connection cut: nothing more is said
-        assert _lock(b, state, "t2", "bob")["acquired"]
-    finally:
-        a.close()
-        b.close()
+    a, b = agents(2)
+    assert _lock(a, state, "t1")["acquired"]
+    refused = _lock(b, state, "t2", "bob")
+    assert not refused["acquired"]
+    assert (refused["holder"]["user"], refused["holder"]["token"]) == ("alice", "t1")
+    assert refused["holder"]["agent_pid"] == agent_pid(a)
+    kill_agent(a)  # the controller was killed / its connection cut: nothing more is said
+    assert _lock(b, state, "t2", "bob")["acquired"]
 
 
-def test_only_the_holder_unlocks_and_the_next_run_takes_it_at_once(host):
+def test_only_the_holder_unlocks_and_the_next_run_takes_it_at_once(host, agents):
     state = str(host["state"])
-    a, b = local_agent(), local_agent()
-    try:
-        _lock(a, state, "t1")
-        assert not b.call({"op": "unlock", "state_dir": state, "token": "t1"}, 60)["released"]  # b holds nothing
-        assert a.call({"op": "unlock", "state_dir": state, "token": "t1"}, 60)["released"]
-        got = _lock(b, state, "t2", "bob")
-        assert got["acquired"] and got["holder"]["generation"] == 2
-    finally:
-        a.close()
-        b.close()
+    a, b = agents(2)
+    _lock(a, state, "t1")
+    assert not b.call({"op": "unlock", "state_dir": state, "token": "t1"}, 60)["released"]  # b holds nothing
+    assert a.call({"op": "unlock", "state_dir": state, "token": "t1"}, 60)["released"]
+    got = _lock(b, state, "t2", "bob")
+    assert got["acquired"] and got["holder"]["generation"] == 2
 
 
-def test_break_lock_needs_the_holders_token_and_ends_that_holder(host):
+def test_break_lock_needs_the_holders_token_and_ends_that_holder(host, agents):
     state = str(host["state"])
-    a, b = local_agent(), local_agent()
-    try:
-        _lock(a, state, "t1")
-        assert not _lock(b, state, "t2", "bob", **{"break": "not-the-token"})["acquired"]
-        assert _lock(b, state, "t2", "bob", **{"break": "t1"})["acquired"]
-        with pytest.raises(UnreachableError):  # the broken holder's agent is gone
-            a.call({"op": "history", "state_dir": state}, 10)
-    finally:
-        a.close()
-        b.close()
+    a, b = agents(2)
+    _lock(a, state, "t1")
+    assert not _lock(b, state, "t2", "bob", **{"break": "not-the-token"})["acquired"]
+    assert _lock(b, state, "t2", "bob", **{"break": "t1"})["acquired"]
+    with pytest.raises(UnreachableError):  # the broken holder's agent is gone
+        a.call({"op": "history", "state_dir": state}, 10)
 
 
-def test_two_breakers_with_the_same_token_cannot_both_win(host):
+def test_two_breakers_with_the_same_token_cannot_both_win(host, agents):
     state = str(host["state"])
-    holder = local_agent()
-    breakers = [local_agent(), local_agent()]
-    try:
-        _lock(holder, state, "t1")
-        for ch in breakers:
-            ch.call({"op": "hello"}, 30)  # both agents up, so the two lock requests really race
-        results: list = [None, None]
+    holder, *breakers = agents(3)
+    _lock(holder, state, "t1")
+    for ch in breakers:
+        ch.call({"op": "hello"}, 30)  # both agents up, so the two lock requests really race
+    results: list = [None, None]
 
-        def run(i):
-            results[i] = _lock(breakers[i], state, f"b{i}", f"breaker{i}", **{"break": "t1"})
+    def run(i):
+        results[i] = _lock(breakers[i], state, f"b{i}", f"breaker{i}", **{"break": "t1"})
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert sorted(r["acquired"] for r in results) == [False, True]
-    finally:
-        for ch in (holder, *breakers):
-            ch.close()
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(r["acquired"] for r in results) == [False, True]
 
 
 def test_a_state_dir_the_tool_did_not_create_is_refused_and_left_alone(tmp_path):
@@ -249,15 +247,12 @@ def test_secret_files_leave_no_hash_and_their_values_are_blanked_from_log_tails(
     assert res["stdout"] == "server_args={'api_key': '***', 'port': 30000} ***\n"
 
 
-def test_a_lock_directory_left_by_an_older_version_is_respected_and_broken_only_by_its_token(host):
+def test_a_lock_directory_left_by_an_older_version_is_respected_and_broken_only_by_its_token(host, agents):
     state = host["state"]
     (state / "lock").mkdir()
     (state / "lock" / "holder.json").write_text(json.dumps({"token": "old1", "user": "carol"}))
-    ch = local_agent()
-    try:
-        refused = _lock(ch, str(state), "t1")
-        assert not refused["acquired"] and refused["holder"]["legacy"] and refused["holder"]["user"] == "carol"
-        assert _lock(ch, str(state), "t1", **{"break": "old1"})["acquired"]
-        assert not (state / "lock").exists()
-    finally:
-        ch.close()
+    [ch] = agents(1)
+    refused = _lock(ch, str(state), "t1")
+    assert not refused["acquired"] and refused["holder"]["legacy"] and refused["holder"]["user"] == "carol"
+    assert _lock(ch, str(state), "t1", **{"break": "old1"})["acquired"]
+    assert not (state / "lock").exists()

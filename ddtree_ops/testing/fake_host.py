@@ -31,7 +31,7 @@ from typing import Any, Callable
 import httpx
 
 from ..errors import RemoteCommandError, UnreachableError
-from ..gpus import GpuApp
+from ..gpus import GpuApp, of_our_units
 from ..health import http_client
 from ..inventory import Host, parse_inventory
 from ..release_store import ReleaseStore, answer_result
@@ -346,7 +346,7 @@ class FakeServices:
         if f.gpu_apps is None:
             return None
         for a in list(f.gpu_apps):
-            if not ({a.pid, *f.procs.get(a.pid, {}).get("ancestors", [])} & f.ended_pids):
+            if not of_our_units(a.pid, f.procs.get(a.pid, {}).get("ancestors", []), f.ended_pids):
                 continue  # its server still runs, or it is nobody's (a stranger): it stays
             left = f.gpu_linger.get(a.pid, 0)
             if left <= 0:

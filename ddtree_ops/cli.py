@@ -8,6 +8,7 @@ Exit codes (also in the README):
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from typing import Optional
 
@@ -16,7 +17,7 @@ import typer
 from .cli_common import emit_json as _emit_json
 from .cli_common import guard as _guard
 from .cli_common import log as _log
-from .errors import EXIT_BAD_INPUT, EXIT_ERROR, DdtreeOpsError
+from .errors import EXIT_BAD_INPUT, EXIT_ERROR, DdtreeOpsError, InputError
 from .testing import SANDBOX_EXTRA_HINT, sandbox_extra_installed
 
 EXIT_CODES_HELP = (
@@ -201,15 +202,62 @@ def plan(
     _guard(body, as_json=as_json)
 
 
-def _print_rollout(res, as_json: bool, extra: dict | None = None) -> int:
-    """The summary: one JSON document, or a table on stdout (log excerpts after it)."""
+def _print_rollout(res, as_json: bool, extra: dict | None = None, report: str | None = None) -> int:
+    """The summary: one JSON document, or a table on stdout (log excerpts after it); and the
+    HTML report when asked for (written whatever the outcome: a failed rollout needs it most)."""
+    doc = {**res.to_dict(), **(extra or {})}
+    if report:
+        from .report import write_report
+
+        write_report(report, doc)
+        sys.stderr.write(f"report written to {report}\n")
     if as_json:
-        _emit_json({**res.to_dict(), **(extra or {})})
+        _emit_json(doc)
     else:
         from .tables import print_rollout
 
         print_rollout(res)
     return res.exit_code
+
+
+def _report_path(report: Optional[str]) -> Optional[str]:
+    """--report FILE.html, checked before anything connects: its folder must exist and be writable."""
+    if report is None:
+        return None
+    folder = os.path.dirname(os.path.abspath(report))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise InputError(f"--report {report}: the folder {folder} does not exist or is not writable")
+    if os.path.isdir(report):
+        raise InputError(f"--report {report}: is a folder; give a file name such as rollout.html")
+    return report
+
+
+REPORT_OPT = typer.Option(None, "--report", metavar="FILE.html",
+                          help="Also write a self-contained HTML report: per-host phase timeline, the performance "
+                               "gate's figures, the summary.")
+
+
+def _asker(progress):
+    """A yes/no question to the operator from a worker thread (a marginal performance verdict):
+    one at a time, with the live view paused while it waits."""
+    import threading
+
+    lock = threading.Lock()
+
+    def ask(question: str) -> bool:
+        with lock:
+            pause = getattr(progress, "pause", None)
+            if pause:
+                pause()
+            try:
+                return typer.confirm(question, default=False, err=True)
+            except (typer.Abort, EOFError):
+                return False
+            finally:
+                resume = getattr(progress, "resume", None)
+                if resume:
+                    resume()
+    return ask
 
 
 def _confirm(yes: bool, question: str) -> None:
@@ -268,6 +316,14 @@ def deploy(
                                               help="Record unknown host keys (never changed ones)."),
     deadline: Optional[float] = typer.Option(None, "--deadline",
                                              help="Seconds to wait for weight loading (default: inventory)."),
+    perf_gate: Optional[bool] = typer.Option(None, "--perf-gate/--no-perf-gate",
+                                             help="Gate each host on speed: the inventory's perf_gate workload "
+                                                  "before the change (baseline) and after (canary), and against a "
+                                                  "host not yet updated (default: the inventory's perf_gate.enabled)."),
+    accept_marginal: bool = typer.Option(False, "--accept-marginal",
+                                         help="A marginal performance verdict passes (otherwise it asks on a "
+                                              "terminal and fails without one)."),
+    report: Optional[str] = REPORT_OPT,
 ):
     from .fleet import rolling_deploy
     from .fleetview import make_progress
@@ -275,6 +331,7 @@ def deploy(
     from .runbook import DeployOptions
 
     def body():
+        _report_path(report)
         targets, notes = _targets(inventory, limit, budget, topk_cap)
         parse_percent(max_fail)
         plan_batches(len(targets), canary=canary, batch=batch)  # bad --batch/--canary: exit 2 before connecting
@@ -288,12 +345,16 @@ def deploy(
                       f"{', '.join(t.name for t in targets)}?")
         opts = DeployOptions(force=force, break_tokens=tuple(break_lock), no_rollback=no_rollback,
                              command=" ".join(["ddtree-ops", *sys.argv[1:]])[:500], deadline_s=deadline,
-                             bundle_id=b.id if b else None, templates_dir=str(b.templates_dir) if b else None)
+                             bundle_id=b.id if b else None, templates_dir=str(b.templates_dir) if b else None,
+                             perf_gate=perf_gate, marginal="accept" if accept_marginal else "fail")
+        progress = make_progress()
+        if not accept_marginal and sys.stdin.isatty():
+            opts.marginal, opts.ask = "ask", _asker(progress)
         res = rolling_deploy(targets, ps, opts, canary=canary, batch=batch, max_fail=max_fail, forks=forks,
                              keep_updated=keep_updated, accept_new_host_keys=accept_new_host_keys,
-                             progress=make_progress(), notes=notes)
+                             progress=progress, notes=notes)
         return _print_rollout(res, as_json, {"patchset": ps.label, "bundle": b.id if b else None,
-                                             "bundle_sha256": b.sha256 if b else None})
+                                             "bundle_sha256": b.sha256 if b else None}, report)
     _guard(body, as_json=as_json)
 
 
@@ -308,6 +369,7 @@ def rollback(
     as_json: bool = typer.Option(False, "--json"),
     break_lock: list[str] = BREAK_LOCK_OPT,
     accept_new_host_keys: bool = typer.Option(False, "--accept-new-host-keys"),
+    report: Optional[str] = REPORT_OPT,
 ):
     """Back to the previous release (or --to RELEASE|original), with the same restart and health gate,
     over the same selection as deploy (multi-node servers as a whole)."""
@@ -317,13 +379,14 @@ def rollback(
     from .runbook import DeployOptions
 
     def body():
+        _report_path(report)
         targets, notes = _targets(inventory, limit)
         plan_batches(len(targets), canary=0, batch=batch)
         _confirm(yes, f"Roll back {', '.join(t.name for t in targets)} to {to or 'the previous release'}?")
         opts = DeployOptions(break_tokens=tuple(break_lock), command=" ".join(["ddtree-ops", *sys.argv[1:]])[:500])
         res = rolling_rollback(targets, to, opts, batch=batch, forks=forks, accept_new_host_keys=accept_new_host_keys,
                                progress=make_progress(), notes=notes)
-        return _print_rollout(res, as_json)
+        return _print_rollout(res, as_json, report=report)
     _guard(body, as_json=as_json)
 
 

@@ -45,6 +45,7 @@ def deploy_host(session: HostSession, ps: PatchSet, opts: DeployOptions, report:
             rb.step("unchanged", "files and unit already as asked; nothing to do")
             return HostResult(rb.host.name, Outcome.UNCHANGED, 0, release=plan.current_release, steps=rb.steps,
                               seconds=time.monotonic() - t0, repaired=repaired)
+        baseline = rb.measure_baseline(opts, serving=any(s.active == "active" for s in before.values()))
         release = rb.begin(plan, ps, lock, before)
         # From the first change on, one transaction: whatever goes wrong (a failed step, a remote
         # error or a lost connection between steps, a bug, Ctrl-C) rolls the host back.
@@ -52,11 +53,15 @@ def deploy_host(session: HostSession, ps: PatchSet, opts: DeployOptions, report:
             rb.backup_and_install(ps, plan, release, opts)
             rb.restart(release)
             rb.wait_and_gate(release, opts.deadline_s)
+            rb.join_router()
+            rb.perf_gate(baseline, opts)
+            rb.soak(release)
             rb.commit(plan, release)
         except (Exception, KeyboardInterrupt) as e:
             raise recover(rb, release, e, opts, t0=t0, repaired=repaired) from None
         return HostResult(rb.host.name, Outcome.DEPLOYED, 0, release=release.id, steps=rb.steps,
-                          seconds=time.monotonic() - t0, repaired=repaired, message="; ".join(rb.warnings))
+                          seconds=time.monotonic() - t0, repaired=repaired, message="; ".join(rb.warnings),
+                          perf_gate=rb.perf_result)
     finally:
         rb.unlock(lock)
 
@@ -105,5 +110,5 @@ def recover(rb: Runbook, release: Release, exc: BaseException, opts: DeployOptio
                    f"{release.previous or 'the previous state'}, healthy")
     err.result = HostResult(h.name, Outcome.INTERRUPTED if interrupted else Outcome.ROLLED_BACK, exc_type.exit_code,
                             release=release.id, failed_step=failed_step, message=message, log=log, steps=rb.steps,
-                            seconds=time.monotonic() - t0, repaired=repaired)
+                            seconds=time.monotonic() - t0, repaired=repaired, perf_gate=rb.perf_result)
     return err

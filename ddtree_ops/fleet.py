@@ -4,17 +4,20 @@ target over its own SSH connection(s). An unreachable host is a row, never a cra
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable
 
 from .deploy import deploy_host
 from .errors import DdtreeOpsError
+from .health import http_client
 from .inventory import Host
 from .multinode import deploy_server, rollback_server
 from .patchset import PatchSet
+from .perfgate import Measurement, measure
 from .results import HostResult, Reporter, failed_result
 from .rollback import rollback_host
-from .rollout import Progress, Rollout, RolloutResult, Target, TargetAction
+from .rollout import Progress, Rollout, RolloutResult, Target, TargetAction, plan_batches
 from .runbook import DeployOptions
 from .session import HostSession, open_session
 
@@ -59,11 +62,35 @@ def rollback_action(to: str | None, opts: DeployOptions, connect: Callable[[Host
                       lambda t, c, report: rollback_server(t, to, opts, connect=c, report=report), connect)
 
 
+def peer_measurer(targets: list[Target], batches: list[list[int]]) -> Callable[[str], Measurement | None]:
+    """For the performance gate: measure, with a host's own workload, the serving node of the first
+    target of a later batch (not yet updated while this host's batch runs); None in the last batch."""
+    peer_of: dict[str, Host | None] = {}
+    for bi, b in enumerate(batches):
+        later = [targets[i] for bb in batches[bi + 1:] for i in bb]
+        peer = later[0].hosts[0] if later else None
+        for i in b:
+            for h in targets[i].hosts:
+                peer_of[h.name] = peer
+    by_name = {h.name: h for t in targets for h in t.hosts}
+
+    def measure_peer(name: str) -> Measurement | None:
+        peer = peer_of.get(name)
+        if peer is None:
+            return None
+        with http_client(peer) as client:
+            return measure(client, by_name[name].perf_gate.workload)
+    return measure_peer
+
+
 def rolling_deploy(targets: list[Target], ps: PatchSet, opts: DeployOptions, *, canary: int = 1,
                    batch: str | None = None, max_fail: str | float = 0, forks: int = 10, keep_updated: bool = False,
                    accept_new_host_keys: bool = False, connect: Callable[[Host], HostSession] | None = None,
                    progress: Progress | None = None, notes: list[str] | None = None) -> RolloutResult:
     connect = connect or ssh_connector(accept_new_host_keys)
+    if opts.peer_measure is None:
+        opts = dataclasses.replace(opts, peer_measure=peer_measurer(targets, plan_batches(len(targets), canary=canary,
+                                                                                          batch=batch)))
     revert_opts = DeployOptions(command=opts.command + " (abort: rollback)")
     return Rollout(targets, deploy_action(ps, opts, connect), kind="deploy", canary=canary, batch=batch,
                    max_fail=max_fail, forks=forks, keep_updated=keep_updated,

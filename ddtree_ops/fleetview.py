@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 
+from .results import PHASE_EVENT
 from .rollout import Progress
 
 _STYLE = {"deployed": "green", "unchanged": "green", "rolled_back": "yellow", "reverted": "yellow",
@@ -52,7 +53,7 @@ class LiveProgress(Progress):
 
         from .tables import literal
 
-        t = Table("host", "state", "step", "elapsed", title=(literal(self.notes[-1]) if self.notes else None),
+        t = Table("host", "state", "phase", "step", "elapsed", title=(literal(self.notes[-1]) if self.notes else None),
                   title_justify="left")
         now = time.monotonic()
         with self._lock:
@@ -62,7 +63,10 @@ class LiveProgress(Progress):
                     el = f"{(r['t1'] or now) - r['t0']:.0f} s"
                 st = r["state"]
                 style = _STYLE.get(st, "red")
-                t.add_row(literal(name), literal(st, style), literal(r["msg"][-90:]), el)
+                phase = ""
+                if r.get("phase") and st == "running":
+                    phase = f"{r['phase']} {now - r['phase_t0']:.0f} s"
+                t.add_row(literal(name), literal(st, style), literal(phase), literal(r["msg"][-80:]), el)
         return t
 
     def start(self, hosts, batches) -> None:
@@ -86,6 +90,9 @@ class LiveProgress(Progress):
     def event(self, host: str, msg: str) -> None:
         with self._lock:
             r = self.rows.setdefault(host, {"state": "running", "msg": "", "t0": time.monotonic(), "t1": None})
+            if msg.startswith(PHASE_EVENT):  # the phase column, timed from here
+                r["phase"], r["phase_t0"] = msg[len(PHASE_EVENT):], time.monotonic()
+                return
             r["msg"] = msg.splitlines()[0] if msg else ""
 
     def note(self, msg: str) -> None:
@@ -95,6 +102,15 @@ class LiveProgress(Progress):
             from .tables import literal
 
             self._live.console.log(literal(msg))
+
+    def pause(self) -> None:
+        """While the operator answers a question: the table must not redraw over the prompt."""
+        if self._live is not None:
+            self._live.stop()
+
+    def resume(self) -> None:
+        if self._live is not None:
+            self._live.start()
 
     def stop(self) -> None:
         if self._live is not None:

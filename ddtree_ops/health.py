@@ -10,6 +10,7 @@ poll and the wait stops at once when the process is gone or replaced (a `Restart
 from __future__ import annotations
 
 import functools
+import math
 import os
 import ssl
 import time
@@ -18,9 +19,11 @@ from typing import Callable, Protocol
 
 import httpx
 
-from .inventory import Host
+from .inventory import HealthSettings, Host
 from .redaction import scrub_lines
+from .router import router_secrets
 from .services import UnitProbe
+from .startup import Phase, PhaseTracker, Transition
 
 
 class _Units(Protocol):
@@ -38,8 +41,8 @@ class ServerAccess(Protocol):
     def sleep(self, seconds: float) -> None: ...
 
 # Start-up milestones worth showing on the progress line, in the order they appear.
-_MILESTONES = ("Load weight begin", "Load weight end", "Memory pool end", "Capture cuda graph begin",
-               "Capture cuda graph end", "Capture CUDA graph", "fired up and ready to roll",
+_MILESTONES = ("Load weight begin", "Load weight end", "Memory pool end", "CUDA graph begin", "CUDA graph end",
+               "Capture cuda graph begin", "Capture cuda graph end", "fired up and ready to roll",
                "Initialization failed", "Traceback", "Error")
 
 
@@ -65,9 +68,10 @@ def api_key(host: Host) -> str | None:
 
 
 def known_secrets(host: Host) -> tuple[str, ...]:
-    """The secret values the controller holds for `host`, for `redaction.scrub`."""
+    """The secret values the controller holds for `host`, for `redaction.scrub`: the server's
+    API key and the router's control-plane key."""
     key = api_key(host)
-    return (key,) if key else ()
+    return ((key,) if key else ()) + router_secrets(host.router)
 
 
 def http_client(host: Host, transport: httpx.BaseTransport | None = None) -> httpx.Client:
@@ -102,12 +106,25 @@ def health_status(client: httpx.Client, timeout: float | None = None) -> int | s
         return type(e).__name__
 
 
+def phase_deadlines(hs: HealthSettings) -> dict[Phase, tuple[str, float]]:
+    """Each start-up phase's deadline, with the inventory field that sets it."""
+    return {Phase.WEIGHTS: ("health.weights_deadline_s", hs.weights_deadline_s),
+            Phase.CUDA_GRAPHS: ("health.cuda_graphs_deadline_s", hs.cuda_graphs_deadline_s),
+            Phase.WARMUP: ("health.warmup_deadline_s", hs.warmup_deadline_s)}
+
+
 def wait_until_serving(session: ServerAccess, unit: str, *, expected_pid: int | None,
                        deadline_s: float | None = None,
-                       progress: Callable[[float, str], None] | None = None) -> float:
-    """Poll until /health is 200; fail at once when the unit dies or respawns. Returns seconds."""
+                       progress: Callable[[float, str], None] | None = None,
+                       phases: PhaseTracker | None = None,
+                       on_phase: Callable[[list[Transition], PhaseTracker, float], None] | None = None) -> float:
+    """Poll until /health is 200; fail at once when the unit dies or respawns, or when a start-up
+    phase (from SGLang's log lines, `phases`) outlasts its deadline. Returns seconds. `on_phase`
+    hears, every poll, which phases ended and where the server is."""
     host = session.host
     deadline_s = deadline_s or host.health.load_deadline_s
+    tracker = phases or PhaseTracker()
+    limits = phase_deadlines(host.health)
     start = time.monotonic()
     with session.http() as client:
         while True:
@@ -120,12 +137,22 @@ def wait_until_serving(session: ServerAccess, unit: str, *, expected_pid: int | 
                 raise HealthFailure(f"{unit} restarted while starting (MainPID {expected_pid} → {p.main_pid}): "
                                     f"the server crashed and Restart= respawned it", p.log)
             status = health_status(client, timeout=min(5.0, host.health.request_timeout_s))
-            if progress:
-                # Scrubbed whole, before the milestone is cut to its last characters.
-                milestone = latest_milestone(scrub_lines(p.log, known_secrets(host)))
-                progress(elapsed, f"/health {status}; {milestone or 'starting'}")
+            # Scrubbed whole, before the milestone is cut to its last characters.
+            lines = scrub_lines(p.log, known_secrets(host))
             if status == 200:
+                if on_phase:
+                    on_phase(tracker.finish(elapsed), tracker, elapsed)
                 return elapsed
+            ended = tracker.update(lines, elapsed, http_up=isinstance(status, int))
+            if on_phase:
+                on_phase(ended, tracker, elapsed)
+            if progress:
+                progress(elapsed, f"{tracker.phase} {tracker.in_phase(elapsed):.0f} s; /health {status}; "
+                                  f"{latest_milestone(lines) or 'starting'}")
+            field, limit = limits.get(tracker.phase, ("", None))
+            if limit is not None and tracker.in_phase(elapsed) > limit:
+                raise HealthFailure(f"{unit} has been in start-up phase '{tracker.phase}' for "
+                                    f"{tracker.in_phase(elapsed):.0f} s, longer than {field} ({limit:g} s)", p.log)
             if elapsed > deadline_s:
                 raise HealthFailure(f"{unit} not ready after {deadline_s:.0f} s (deadline; last /health: {status})",
                                     p.log)
@@ -159,23 +186,7 @@ def health_gate(session: ServerAccess, unit: str, expected_pid: int | None = Non
                 raise HealthFailure("/health gate did not settle")
             if ok < hs.consecutive_successes:
                 session.sleep(hs.poll_interval_s)
-        try:
-            r = client.post("/generate", json={
-                "text": hs.generate_prompt,
-                "sampling_params": {"temperature": 0.7, "top_p": 0.9, "top_k": 50,
-                                    "max_new_tokens": hs.generate_max_new_tokens},
-            })
-        except httpx.HTTPError as e:
-            raise HealthFailure(f"POST /generate failed: {type(e).__name__}: {e}") from None
-        if r.status_code != 200:
-            raise HealthFailure(f"POST /generate answered {r.status_code}: {r.text[:200]}")
-        try:
-            body = r.json()
-        except ValueError:
-            raise HealthFailure("POST /generate returned no JSON") from None
-        text = body.get("text") if isinstance(body, dict) else None
-        if not isinstance(text, str) or not text.strip():
-            raise HealthFailure("POST /generate returned no text")
+        text = generated_text(client, hs)
         accept = None
         if hs.min_accept_length is not None:
             try:
@@ -189,6 +200,53 @@ def health_gate(session: ServerAccess, unit: str, expected_pid: int | None = Non
     if p.active != "active" or (expected_pid and p.main_pid != expected_pid):
         raise HealthFailure(f"{unit} died after passing the health gate ({p.active}, MainPID {p.main_pid})", p.log)
     return GateResult(ok, text, accept)
+
+
+def generated_text(client: httpx.Client, hs: HealthSettings) -> str:
+    """One sampled `/generate` of the inventory's prompt; HealthFailure unless it returns text."""
+    try:
+        r = client.post("/generate", json={
+            "text": hs.generate_prompt,
+            "sampling_params": {"temperature": 0.7, "top_p": 0.9, "top_k": 50,
+                                "max_new_tokens": hs.generate_max_new_tokens},
+        })
+    except httpx.HTTPError as e:
+        raise HealthFailure(f"POST /generate failed: {type(e).__name__}: {e}") from None
+    if r.status_code != 200:
+        raise HealthFailure(f"POST /generate answered {r.status_code}: {r.text[:200]}")
+    try:
+        body = r.json()
+    except ValueError:
+        raise HealthFailure("POST /generate returned no JSON") from None
+    text = body.get("text") if isinstance(body, dict) else None
+    if not isinstance(text, str) or not text.strip():
+        raise HealthFailure("POST /generate returned no text")
+    return text
+
+
+def soak(session: ServerAccess, unit: str, expected_pid: int | None) -> int:
+    """After the gates and before the commit: the server stays healthy for `health.min_healthy_s`
+    (Nomad's min_healthy_time), one /health and one /generate every `soak_interval_s`, and stays
+    the process that started. Catches a server that passes a gate and then hangs or dies.
+    Counted in rounds, so the time is the sleeps' and a fake clock runs it at once. Returns the
+    number of generations."""
+    hs = session.host.health
+    rounds = math.ceil(hs.min_healthy_s / hs.soak_interval_s) if hs.min_healthy_s > 0 else 0
+    with session.http() as client:
+        for i in range(rounds):
+            session.sleep(hs.soak_interval_s)
+            where = f"{(i + 1) * hs.soak_interval_s:.0f} s into the {hs.min_healthy_s:g} s soak"
+            status = health_status(client)
+            if status != 200:
+                raise HealthFailure(f"/health answered {status} {where}")
+            try:
+                generated_text(client, hs)
+            except HealthFailure as e:
+                raise HealthFailure(f"{e} ({where})") from None
+            p = session.services.probe(unit, lines=10)
+            if p.active != "active" or (expected_pid and p.main_pid != expected_pid):
+                raise HealthFailure(f"{unit} is {p.active}, MainPID {p.main_pid}, {where}", p.log)
+    return rounds
 
 
 def in_flight(client: httpx.Client, timeout: float | None = None) -> int | None:

@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from .errors import InputError, InventoryError, shown
+from .perfgate import PerfGateSettings, parse_perf_gate
+from .router import RouterSettings, router_field
 from .schema import (
     NAME_RE,
     OMIT,
@@ -78,6 +80,15 @@ class HealthSettings:
     drain_timeout_s: float = 120.0
     # After a server stops: wait this long at most for every process to give its GPU memory back.
     gpu_free_timeout_s: float = 120.0
+    # Each start-up phase (from SGLang's log lines) must end within its own deadline: a capture
+    # that hangs is caught long before load_deadline_s. None: only load_deadline_s applies.
+    weights_deadline_s: float | None = 1800.0
+    cuda_graphs_deadline_s: float | None = 900.0
+    warmup_deadline_s: float | None = 600.0
+    # After the gates, the new server must stay healthy this long (a generation every
+    # soak_interval_s) before the release is committed: servers that pass a gate and then hang.
+    min_healthy_s: float = 30.0
+    soak_interval_s: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -135,6 +146,8 @@ class Host:
     nnodes: int = 1
     dist_init_addr: str | None = None
     bundle_signers: BundleSigners | None = None  # None: bundle signatures are not checked
+    router: RouterSettings | None = None  # the request router in front of the host; None: none
+    perf_gate: PerfGateSettings = PerfGateSettings()  # the canary's speed gate; disabled unless set
 
     @property
     def multinode(self) -> bool:
@@ -305,6 +318,11 @@ HEALTH_FIELDS: tuple[Field, ...] = (  # absent keys keep HealthSettings' default
     Field("generate_max_new_tokens", int_range(1, 4096), OMIT),
     Field("drain_timeout_s", number_range(0, 86400), OMIT),
     Field("gpu_free_timeout_s", number_range(0, 86400), OMIT),
+    Field("weights_deadline_s", optional(number_range(1, 86400)), OMIT),
+    Field("cuda_graphs_deadline_s", optional(number_range(1, 86400)), OMIT),
+    Field("warmup_deadline_s", optional(number_range(1, 86400)), OMIT),
+    Field("min_healthy_s", number_range(0, 86400), OMIT),
+    Field("soak_interval_s", number_range(0.05, 3600), OMIT),
 )
 
 HOST_FIELDS: tuple[Field, ...] = (
@@ -341,6 +359,9 @@ HOST_FIELDS: tuple[Field, ...] = (
     Field("api_key_env", _api_key_env(), None),
     Field("health", table(HEALTH_FIELDS, HealthSettings), {}),
     Field("bundle_signers", table(BUNDLE_SIGNER_FIELDS, BundleSigners), None),
+    # The request router (smg) in front of the host: router.py; its worker defaults to base_url.
+    Field("router", router_field("base_url"), None),
+    Field("perf_gate", None),  # perfgate.parse_perf_gate, after the table (it reads a file beside the inventory)
     # A multi-node server: validated across its members by _resolve_servers.
     Field("multinode", None),
     Field("node_rank", None),
@@ -350,6 +371,9 @@ HOST_FIELDS: tuple[Field, ...] = (
 _FIELD = {f.name: f for f in HOST_FIELDS}
 _KNOWN_KEYS = known_keys(HOST_FIELDS)
 _MULTINODE_KEYS = ("node_rank", "nnodes", "dist_init_addr")
+# Mappings merged key by key across the layers (all → groups → host), not replaced whole: group
+# vars set router.url and host vars router.worker. Absent everywhere: the row's default.
+_MERGED = ("health", "router", "perf_gate")
 
 
 def load_inventory(path: str | os.PathLike) -> Inventory:
@@ -445,21 +469,28 @@ def parse_inventory(doc: Any, fname: str = "<inventory>") -> Inventory:
     for hname in host_vars:
         layers = [(f"group {g} vars", gv) for g, gv in host_chain[hname]] + [("host vars", host_vars[hname])]
         merged: dict[str, Any] = {}
-        health: Any = {}  # merged key by key
+        tables: dict[str, Any] = {}  # the _MERGED mappings, merged key by key
         for where, layer in layers:
             _check_keys(fname, hname, layer, where)
-            merged.update({k: v for k, v in layer.items() if k != "health"})
-            h = layer.get("health")
-            if isinstance(h, dict) and isinstance(health, dict):
-                health = {**health, **h}
-            elif h is not None and isinstance(health, dict):
-                health = h  # not a mapping: kept for the health row to refuse
-        merged["health"] = health
+            merged.update({k: v for k, v in layer.items() if k not in _MERGED})
+            for key in _MERGED:
+                t, sofar = layer.get(key), tables.get(key, {})
+                if isinstance(t, dict) and isinstance(sofar, dict):
+                    tables[key] = {**sofar, **t}
+                elif t is not None and isinstance(sofar, dict):
+                    tables[key] = t  # not a mapping: kept for its row to refuse
+        merged.update(tables)
         member_of = tuple(g for g, m in groups.items() if hname in m and g != "all")
         try:
             values = apply(HOST_FIELDS, merged)
         except Invalid as e:
             raise InventoryError(fname, hname, e.field, e.problem) from None
+        try:
+            values["perf_gate"] = parse_perf_gate(merged.get("perf_gate"), "perf_gate",
+                                                  base_dir=os.path.dirname(os.path.abspath(fname)))
+        except InputError as e:
+            field, _, problem = str(e).partition(": ")
+            raise InventoryError(fname, hname, field, problem) from None
         hosts[hname] = Host(name=hname, groups=member_of, source=fname, **values)
     hosts = _resolve_servers(fname, hosts, host_chain, host_vars)
     return Inventory(path=fname, hosts=hosts, groups={g: tuple(m) for g, m in groups.items()})

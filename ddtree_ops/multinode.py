@@ -83,8 +83,8 @@ def deploy_server(server: Target, ps: PatchSet, opts: DeployOptions, *, connect:
 def _deploy_nodes(server: Target, nodes: list[Runbook], locks: list[LockHolder], plans: list[HostPlan],
                   ps: PatchSet, opts: DeployOptions, t0: float) -> list[HostResult]:
     def rows(outcome: Outcome, code: int, **kw) -> list[HostResult]:
-        return [HostResult(n.host.name, outcome, code, steps=n.steps, seconds=time.monotonic() - t0, **kw)
-                for n in nodes]
+        return [HostResult(n.host.name, outcome, code, steps=n.steps, seconds=time.monotonic() - t0,
+                           perf_gate=n.perf_result, **kw) for n in nodes]
 
     before = [n.services_before() for n in nodes]
     if all(n.is_running_as_planned(p, b) for n, p, b in zip(nodes, plans, before, strict=True)):
@@ -92,6 +92,7 @@ def _deploy_nodes(server: Target, nodes: list[Runbook], locks: list[LockHolder],
             n.step("unchanged", "files and unit already as asked")
         return [HostResult(n.host.name, Outcome.UNCHANGED, 0, release=p.current_release, steps=n.steps,
                            seconds=time.monotonic() - t0) for n, p in zip(nodes, plans, strict=True)]
+    baseline = nodes[0].measure_baseline(opts, serving=before[0][nodes[0].host.unit].active == "active")
     first = nodes[0].begin(plans[0], ps, locks[0], before[0], server=server.name)
     releases = [first] + [n.begin(p, ps, lk, b, release_id=first.id, server=server.name)
                           for n, lk, p, b in zip(nodes[1:], locks[1:], plans[1:], before[1:], strict=True)]
@@ -107,6 +108,11 @@ def _deploy_nodes(server: Target, nodes: list[Runbook], locks: list[LockHolder],
         nodes[0].wait_and_gate(releases[0], opts.deadline_s)
         for n, r in zip(nodes[1:], releases[1:], strict=True):
             n.check_running(r)
+        nodes[0].join_router()
+        nodes[0].perf_gate(baseline, opts)
+        nodes[0].soak(releases[0])
+        for n, r in zip(nodes[1:], releases[1:], strict=True):
+            n.check_running(r)  # again: a node that died during the soak must not be committed
         for n, p, r in zip(nodes, plans, releases, strict=True):
             n.commit(p, r)
     except (Exception, KeyboardInterrupt) as e:  # one transaction over every node, as for one host

@@ -28,6 +28,10 @@ from .errors import (
 from .redaction import scrub_lines
 
 Reporter = Callable[[str, str], None]  # progress of a run: (host name, message)
+# A progress message that starts with this names the phase the host has just entered (drain,
+# stop, start, weights, cuda graphs, warm-up, health gate, perf gate, soak, ...): the live view
+# shows it with its own elapsed time; plain logs print it as it is.
+PHASE_EVENT = "phase: "
 
 
 class Outcome(str, enum.Enum):
@@ -68,6 +72,7 @@ class HostResult:
     steps: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
     repaired: str | None = None  # an interrupted deploy this run repaired first
+    perf_gate: dict[str, Any] | None = None  # the canary's performance gate (perfgate.GateVerdict.as_dict)
 
     def to_dict(self) -> dict[str, Any]:
         """For --json. The log lines were scrubbed where they were read (deploy.describe_failure);

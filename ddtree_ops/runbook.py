@@ -12,25 +12,27 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from .errors import CorruptJournal, InputError, RemoteCommandError, RollbackFailed, UnreachableError
 from .gpus import GpuApp, describe, foreign_apps
-from .health import HealthFailure, drain, health_gate, wait_until_serving
+from .health import HealthFailure, drain, health_gate, soak, wait_until_serving
 from .journal import journal_problem
 from .launch_check import launch_line, parse_problems, port_problems, ports_to_check
+from .options import DeployOptions
 from .patchset import PatchSet
 from .pause_points import agent_pause_request, pause
 from .plan import HostPlan, compute_plan, read_host, target_path
 from .redaction import SECRET_NAME_WORDS
 from .release_store import LockHolder, b64, new_release_id
-from .results import Reporter
+from .results import PHASE_EVENT, Reporter
 from .schema import is_valid_unit_name
 from .services import UnitState
 from .session import HostSession
+from .startup import PhaseTracker, Transition
+from .traffic import TrafficPhases
 from .units import render_unit, verify_command, verify_problems, verify_unit
 
 
@@ -39,19 +41,6 @@ def quiet(host: str, msg: str) -> None:
 
 
 RUNNING = ("active", "activating")
-
-
-@dataclass
-class DeployOptions:
-    force: bool = False
-    break_tokens: tuple[str, ...] = ()  # --break-lock TOKEN: holders the operator chose to end
-    no_rollback: bool = False
-    command: str = "ddtree-ops deploy"
-    deadline_s: float | None = None
-    bundle_id: str | None = None
-    # A connection lost during a deploy: keep reconnecting this long to roll the host back.
-    reconnect_s: float = field(default_factory=lambda: float(os.environ.get("DDTREE_OPS_RECONNECT_S", "60")))
-    templates_dir: str | None = None  # a verified bundle's templates/ (default: the packaged ones)
 
 
 class StepFailed(Exception):
@@ -77,7 +66,7 @@ class Release:
         return self.journal.get("previous")
 
 
-class Runbook:
+class Runbook(TrafficPhases):
     """The phases of a deploy and a rollback on one connected host.
 
     `health_checked=False` is a node of rank >= 1 of a multi-node server: it answers 200 on
@@ -94,6 +83,14 @@ class Runbook:
         self.warnings: list[str] = []  # what went wrong without failing the run (housekeeping)
         self._drained: set[str] = set()
         self._gpu_strangers: set[int] = set()  # GPU holders preflight found and --force let stay
+        self._log_before: list[str] = []  # the unit's log tail just before this run started it
+
+    def failure(self, step: str, message: str) -> StepFailed:
+        return StepFailed(step, message)
+
+    def phase(self, name: str) -> None:
+        """The phase the host is now in, for the live view (results.PHASE_EVENT)."""
+        self.report(self.host.name, PHASE_EVENT + name)
 
     def step(self, name: str, detail: str = "") -> None:
         self.steps.append({"step": name, "t": time.time(), "detail": detail})
@@ -159,7 +156,7 @@ class Runbook:
         plan = compute_plan(self.host, ps, facts, render_unit(self.host, opts.templates_dir), force=opts.force)
         gpu = self._gpu_problems()
         refusals = [*plan.refusals, *self._compile_problems(ps), *self._unit_problems(plan.unit_new),
-                    *([] if opts.force else gpu)]
+                    *([] if opts.force else gpu), *self.router_problems()]
         return dataclasses.replace(plan, refusals=tuple(refusals))
 
     def _gpu_problems(self) -> list[str]:
@@ -324,6 +321,8 @@ class Runbook:
         if not self.health_checked or unit in self._drained:
             return
         self._drained.add(unit)
+        self.leave_router()
+        self.phase("drain")
         res = drain(self.session, self.host.health.drain_timeout_s)
         if res.at_start is None:
             return
@@ -335,8 +334,13 @@ class Runbook:
         self._journal(release, "restart")
         if self.services_before()[self.host.unit].active in RUNNING:  # a redeploy: it serves now
             self.drain(self.host.unit)
+            self.phase("stop")
             self._guarded("restart", lambda: self.services.stop(self.host.unit))
             self._guarded("gpus free", self.wait_gpus_free)
+        # The unit's log as it is before the start: the previous server's lines name no phase of
+        # the new one (startup.PhaseTracker ignores them).
+        self._log_before = self._guarded("restart", lambda: self.services.probe(self.host.unit)).log
+        self.phase("start")
         self._guarded("restart", lambda: self.services.restart(self.host.unit))
         release.pid = self.services.main_pid(self.host.unit)
 
@@ -352,11 +356,19 @@ class Runbook:
                 last[0] = elapsed
                 self.report(h.name, f"waiting {elapsed:5.1f} s: {line}")
 
+        def on_phase(ended: list[Transition], tracker: PhaseTracker, elapsed: float) -> None:
+            for t in ended:
+                self.step(str(t.ended), f"{t.seconds:.1f} s")
+            if ended and tracker.phase is not ended[-1].ended:
+                self.phase(str(tracker.phase))
+
         phase = "wait for weights"
         try:
             took = wait_until_serving(self.session, h.unit, expected_pid=release.pid, deadline_s=deadline_s,
-                                      progress=progress)
+                                      progress=progress, phases=PhaseTracker(frozenset(self._log_before)),
+                                      on_phase=on_phase)
             self.step("serving", f"/health 200 after {took:.1f} s")
+            self.phase("health gate")
             phase = "health gate"
             gate = health_gate(self.session, h.unit, expected_pid=release.pid)
             self.step("health gate", f"{gate.health_checks}x /health 200, /generate ok"
@@ -365,6 +377,22 @@ class Runbook:
             raise StepFailed(phase, str(e), e.log) from None
         except (RemoteCommandError, UnreachableError) as e:
             raise StepFailed(phase, str(e)) from None
+
+    def soak(self, release: Release) -> None:
+        """Healthy for `health.min_healthy_s` more before the commit (health.soak)."""
+        hs = self.host.health
+        if hs.min_healthy_s <= 0 or not self.health_checked:
+            return
+        self.phase("soak")
+        t0 = time.monotonic()
+        try:
+            n = soak(self.session, self.host.unit, release.pid)
+        except HealthFailure as e:
+            raise StepFailed("soak", str(e), e.log) from None
+        except (RemoteCommandError, UnreachableError) as e:
+            raise StepFailed("soak", str(e)) from None
+        self.step("soak", f"healthy for {time.monotonic() - t0:.1f} s ({n} generations, min_healthy_s "
+                          f"{hs.min_healthy_s:g})")
 
     def check_running(self, release: Release, step: str = "node check") -> None:
         """The unit is still active as the process that was started (a node without a gate)."""
@@ -388,7 +416,8 @@ class Runbook:
         if p.active != "active" or (release.pid and p.main_pid != release.pid):
             raise StepFailed("commit", f"{h.unit} died after passing the health gate ({p.active}, "
                                        f"MainPID {p.main_pid})", p.log)
-        self.store.write_release(release.id, outcome="deployed", installed=installed, deployed_at=time.time())
+        self.store.write_release(release.id, outcome="deployed", installed=installed, deployed_at=time.time(),
+                                 **({"perf_gate": self.perf_result} if self.perf_result else {}))
         self.store.set_current(release.id)
         self.store.clear_journal()
         # Committed: from here on nothing undoes the release. Housekeeping that fails is said.
@@ -422,6 +451,8 @@ class Runbook:
         self.restore_services(journal.get("active_before") or {}, journal.get("enabled_before") or {},
                               untouched=untouched)
         fields: dict[str, Any] = {"outcome": outcome, "rolled_back_at": time.time()}
+        if self.perf_result:
+            fields["perf_gate"] = self.perf_result
         if failed_step:
             fields.update(failed_step=failed_step, error=error)
         self.store.write_release(rid, **fields)
@@ -532,6 +563,8 @@ class Runbook:
             if not pid and now[u].active == "active":  # it serves, and is about to be restarted
                 self.drain(u)
             self._bring_back(u, pid)
+        if was_active:
+            self.join_router()  # back in the router, healthy (or never out of it: a no-op)
 
     def _bring_back(self, unit: str, running_pid: int | None) -> None:
         """Restart `unit` (unless it kept running as `running_pid`) and wait until it is healthy."""

@@ -18,6 +18,7 @@ import httpx
 from .health import http_client
 from .inventory import Host
 from .release_store import AgentChannel, ReleaseStore
+from .router import SmgRouter
 from .services import Services
 from .transport import HostConnection
 
@@ -28,9 +29,16 @@ class HostSession:
         self.agent = AgentChannel(conn, host)
         self.store = ReleaseStore(self.agent, host)
         self.services = Services(self.agent, host.name, host.secret_files)
+        self._router: SmgRouter | None = None
 
     def http(self) -> httpx.Client:
         return http_client(self.host)
+
+    def router(self) -> SmgRouter | None:
+        """The request router in front of this host (inventory `router:`), or None."""
+        if self.host.router is not None and self._router is None:
+            self._router = SmgRouter(self.host.router)
+        return self._router
 
     def sleep(self, seconds: float) -> None:
         time.sleep(seconds)
@@ -43,6 +51,8 @@ class HostSession:
         self.store.relock()
 
     def close(self) -> None:
+        if self._router is not None:
+            self._router.close()
         self.agent.close()
         self.conn.close()
 

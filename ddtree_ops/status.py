@@ -48,6 +48,7 @@ def host_status(host: Host, *, accept_new_host_keys: bool = False) -> dict[str, 
         "reachable": False, "reason": None, "release": None, "patchset": None, "bundle": None,
         "release_outcome": None, "budget": None, "topk_cap": None, "algorithm": None, "drift": [],
         "units": {}, "active_unit": None, "health": None, "avg_accept_length": None, "journal": None, "lock": None,
+        "perf_gate": None,
     }
     try:
         session = open_session(host, accept_new_host_keys=accept_new_host_keys)
@@ -65,6 +66,7 @@ def host_status(host: Host, *, accept_new_host_keys: bool = False) -> dict[str, 
             row["patchset"] = rel.get("patchset")
             row["bundle"] = rel.get("bundle")
             row["release_outcome"] = rel.get("outcome")
+            row["perf_gate"] = rel.get("perf_gate")  # the current release's canary gate (perfgate)
             row["journal"] = facts.get("journal")
             row["lock"] = facts.get("lock")
             installed = rel.get("installed") or {}

@@ -84,16 +84,45 @@ def summary_rows(res: RolloutResult) -> list[dict[str, Any]]:
             for r in res.results]
 
 
+def _gate_value(metric: str, v: Any) -> str:
+    if not isinstance(v, (int, float)):
+        return "-"
+    if metric.endswith("_s"):
+        return f"{v * 1000:.1f} ms"
+    if metric == "error_rate":
+        return f"{v * 100:.1f} %"
+    return f"{v:.2f}" if metric == "accept_length" else f"{v:.1f}"
+
+
+def print_gate(host: str, gate: dict[str, Any]) -> None:
+    """The performance gate of one host: baseline, canary and peers per metric, with the limits."""
+    t = Table("metric", "baseline", "canary", "peers", "change", "verdict", "limit",
+              title=literal(f"{host}: performance gate {gate.get('verdict')}"), title_justify="left")
+    for r in gate.get("rows") or []:
+        change = r.get("change")
+        m = str(r.get("metric"))
+        shown_change = "-" if not isinstance(change, (int, float)) else (
+            f"{change * 100:+.1f} pp" if m == "error_rate" else f"{change * 100:+.1f} %")
+        values = [_gate_value(m, r.get(k)) for k in ("baseline", "canary", "peers")]
+        t.add_row(*map(literal, (r.get("label") or m, *values, shown_change, r.get("verdict"), r.get("limit"))))
+    console().print(t)
+    for reason in gate.get("reasons") or []:
+        print(clean(f"  {reason}"))
+
+
 def print_rollout(res: RolloutResult) -> None:
-    """The summary table, then the last log lines of each host that has some."""
+    """The summary table, the performance gates, then the last log lines of each host that has some."""
     state = f"ABORTED ({res.abort_reason})" if res.aborted else "done"
     title = f"{res.action}: {state} in {res.seconds:.1f} s"
-    t = Table("host", "outcome", "release", "failed step", "seconds", "message", title=literal(title),
+    t = Table("host", "outcome", "release", "failed step", "seconds", "perf gate", "message", title=literal(title),
               title_justify="left")
-    for row in summary_rows(res):
+    for r, row in zip(res.results, summary_rows(res), strict=True):
         t.add_row(*map(literal, (row["host"], row["outcome"], row["release"] or "-", row["failed_step"] or "-",
-                                 f"{row['seconds']:.1f}", fit(row["message"], 80))))
+                                 f"{row['seconds']:.1f}", gate_brief(r.perf_gate), fit(row["message"], 80))))
     console().print(t)
+    for r in res.results:
+        if r.perf_gate:
+            print_gate(r.host, r.perf_gate)
     for r in res.results:
         if r.log:
             print(f"--- last log lines of {clean(r.host)} ---")
@@ -101,9 +130,22 @@ def print_rollout(res: RolloutResult) -> None:
     print(f"exit code {res.exit_code}")
 
 
+def gate_brief(gate: dict[str, Any] | None) -> str:
+    """A release's performance gate in a table cell: verdict and output tok/s against its reference."""
+    if not gate:
+        return "-"
+    canary, ref = gate.get("canary") or {}, gate.get("baseline") or gate.get("peers") or {}
+    tps = canary.get("output_tps")
+    if tps is None:
+        return str(gate.get("verdict"))
+    if ref.get("output_tps"):
+        return f"{gate.get('verdict')} ({ref['output_tps']:.0f} → {tps:.0f} tok/s)"
+    return f"{gate.get('verdict')} ({tps:.0f} tok/s)"
+
+
 def print_status(rows: list[dict[str, Any]]) -> None:
     t = Table("host", "reachable", "release", "patch set", "budget", "topk", "drift", "active unit", "/health",
-              "accept len")
+              "accept len", "perf gate")
     for r in rows:
         acc = r.get("avg_accept_length")
         t.add_row(*map(literal, (
@@ -111,7 +153,8 @@ def print_status(rows: list[dict[str, Any]]) -> None:
             "yes" if r["reachable"] else f"NO: {fit(r['reason'] or '', 60)}",
             r["release"] or "-", r["patchset"] or "-", str(r["budget"] or "-"), str(r["topk_cap"] or "-"),
             ", ".join(d["path"].rsplit("/", 1)[-1] for d in r["drift"]) or "none",
-            r["active_unit"] or "none", str(r["health"]), f"{acc:.2f}" if acc is not None else "-")))
+            r["active_unit"] or "none", str(r["health"]), f"{acc:.2f}" if acc is not None else "-",
+            gate_brief(r.get("perf_gate")))))
     console().print(t)
     for r in rows:
         if r["reachable"] and r["reason"]:
@@ -119,10 +162,10 @@ def print_status(rows: list[dict[str, Any]]) -> None:
 
 
 def print_history(hist: dict[str, Any]) -> None:
-    t = Table("", "release", "created (UTC)", "patch set", "budget", "topk", "outcome")
+    t = Table("", "release", "created (UTC)", "patch set", "budget", "topk", "outcome", "perf gate")
     for r in hist["releases"]:
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r.get("created") or 0))
         t.add_row(*map(literal, ("*" if r["id"] == hist["current"] else "", r["id"], created, r.get("patchset"),
-                                 r.get("budget"), r.get("topk_cap"), r.get("outcome"))))
+                                 r.get("budget"), r.get("topk_cap"), r.get("outcome"), gate_brief(r.get("perf_gate")))))
     console().print(t)
     print(clean(f"current: {hist['current'] or 'original upstream files'}"))

@@ -193,3 +193,20 @@ def test_gpu_apps_from_nvidia_smi_csv_and_which_holders_are_not_ours():
     assert foreign(parse_gpu_apps(text), procs, ours={99}) == [
         "pid 1234 (python3 -m sglang.launch_server) holds 81920 MiB", "pid 5678 (sglang::scheduler) holds 0 MiB"]
     assert foreign([GpuApp(7, 10)], {}, ours=set()) == ["pid 7 (gone) holds 10 MiB"]
+
+
+def test_gpu_holders_read_from_a_real_nvidia_smi_tell_the_units_worker_from_an_orphan():
+    """The output and ancestry recorded on a real H200 (driver 580.159.04) by
+    bench/gpu_nvidia_smi_check.py: a unit's worker child and a double-forked leftover."""
+    import json
+    from pathlib import Path
+
+    from ddtree_ops.gpus import foreign_apps, parse_gpu_apps
+
+    rec = json.loads((Path(__file__).parent.parent / "bench/results/gpu_nvidia_smi.json").read_text())
+    apps = parse_gpu_apps(rec["busy_raw"])
+    assert {a.pid for a in apps} == {rec["worker_pid"], rec["orphan_pid"]}
+    assert all(a.used_mib > 1000 for a in apps)
+    assert parse_gpu_apps(rec["idle_raw"]) == []
+    strangers = foreign_apps(apps, rec["procs"], {rec["unit_pid"]})
+    assert [a.pid for a in strangers] == [rec["orphan_pid"]]

@@ -65,7 +65,8 @@ def test_deploy_runs_the_runbook_in_order_and_leaves_the_host_on_the_release(fak
 
     assert r.outcome == Outcome.DEPLOYED and r.exit_code == 0
     assert journal_steps(r) == ["preflight", "backup", "install", "launch check", "stop conflicts", "restart",
-                                "wait for weights", "serving", "health gate", "commit", "committed"]
+                                "wait for weights", "starting", "weights", "cuda graphs", "warm-up", "serving",
+                                "health gate", "soak", "commit", "committed"]
     ev = fake.events
     order = ["agent lock", "agent compile", "agent verify_unit", "agent backup", "agent install",
              "systemctl daemon-reload", "agent launch_check", f"systemctl stop {DFLASH_UNIT}",
@@ -103,6 +104,7 @@ def test_a_second_deploy_of_the_same_files_changes_nothing(fake, patchset):
     ({"marker": FAKE_CRASH}, "wait for weights"),
     ({"marker": FAKE_HANG, "deadline_s": 0.2}, "wait for weights"),
     ({"accept_length": 0.5}, "health gate"),
+    ({"generate_fails_after": 2}, "soak"),  # passes the gate (1 generation), fails the soak's second
 ])
 def test_a_failure_at_any_step_rolls_the_host_back_byte_for_byte(fake, versioned_patchset, fault, failed_step):
     before = snapshot(fake)
@@ -112,6 +114,8 @@ def test_a_failure_at_any_step_rolls_the_host_back_byte_for_byte(fake, versioned
         fake.host = dataclasses.replace(fake.host,
                                         health=dataclasses.replace(fake.host.health, min_accept_length=2.0))
         fake.accept_lengths[fake.host.unit] = fault["accept_length"]
+    if "generate_fails_after" in fault:
+        fake.generate_fails_after[fake.host.unit] = fault["generate_fails_after"]
     ps = versioned_patchset(marker=b"\n# " + fault.get("marker", b"") + b"\n")
     opts = DeployOptions(reconnect_s=5, deadline_s=fault.get("deadline_s"))
 

@@ -215,8 +215,8 @@ def test_readiness_timeline_refused_then_503_then_200(spawn):
     code, info = s.get("/model_info")
     assert code == 200 and info["model_path"] == "/models/toy" and "weight_version" in info
     log = s.log
-    order = ["Load weight begin. avail mem=", "Load weight end. elapsed=", "Capture cuda graph begin",
-             "Capture cuda graph end", "Uvicorn running on", "The server is fired up and ready to roll!"]
+    order = ["Load weight begin. avail mem=", "Load weight end. elapsed=", "Capture target decode CUDA graph begin",
+             "Capture target decode CUDA graph end", "Uvicorn running on", "The server is fired up and ready to roll!"]
     positions = [log.index(x) for x in order]
     assert positions == sorted(positions), log
     # SIGTERM: clean exit within a second
@@ -472,3 +472,265 @@ def test_sigterm_lets_in_flight_generations_finish_as_sglang_does(spawn):
     assert got and got[0][0] == 200, got
     assert s.wait_exit(5) == 0
     assert "Gracefully exiting... Remaining number of requests 1" in s.log
+    # SGLang 0.5.23's words: the request ids still in flight, and a last line with none left
+    log = s.log
+    rid = got[0][1]["meta_info"]["id"]
+    assert f"Gracefully exiting... Remaining number of requests 1. Remaining requests remaining_rids=['{rid}']." in log
+    assert log.index("remaining_rids=[].") > log.index(f"remaining_rids=['{rid}']")
+
+
+# -- pacing, streaming, /metrics, start-up phases ------------------------------------------------
+
+def _stream(s: Server, body: dict, timeout: float = 30.0) -> tuple[str, list[tuple[float, bytes]], float]:
+    """POST /generate with "stream": true; (content type, [(arrival time, raw event)], start time)."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=timeout)
+    try:
+        t0 = time.monotonic()
+        conn.request("POST", "/generate", json.dumps({**body, "stream": True}),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200, resp.read()
+        events: list[tuple[float, bytes]] = []
+        buf = b""
+        while True:
+            line = resp.readline()
+            if not line:
+                break
+            buf += line
+            if line == b"\n":  # an event ends with a blank line
+                events.append((time.monotonic(), buf))
+                buf = b""
+        assert buf == b"", buf
+        return resp.getheader("Content-Type"), events, t0
+    finally:
+        conn.close()
+
+
+def _chunks(events: list[tuple[float, bytes]]) -> list[tuple[float, dict]]:
+    assert events and events[-1][1] == b"data: [DONE]\n\n", events[-1:]
+    out = []
+    for t, raw in events[:-1]:
+        assert raw.startswith(b"data: {") and raw.endswith(b"}\n\n"), raw
+        out.append((t, json.loads(raw[len(b"data: "):])))
+    return out
+
+
+def _decode_rate(chunks: list[tuple[float, dict]]) -> float:
+    """Tokens/s after the first chunk, as a client sees them."""
+    (t1, c1), (t2, c2) = chunks[0], chunks[-1]
+    return (c2["meta_info"]["completion_tokens"] - c1["meta_info"]["completion_tokens"]) / (t2 - t1)
+
+
+def _get_text(s: Server, path: str) -> tuple[int, str, str]:
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=5)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, resp.getheader("Content-Type") or "", resp.read().decode()
+    finally:
+        conn.close()
+
+
+def _prometheus(text: str) -> dict[tuple[str, frozenset], float]:
+    """{(sample name, labels): value} of a Prometheus text page; every family with HELP and TYPE."""
+    import re
+
+    sample = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$')
+    label = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+    out: dict[tuple[str, frozenset], float] = {}
+    typed: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            typed.add(line.split()[2])
+        elif line and not line.startswith("#"):
+            m = sample.match(line)
+            assert m, line
+            name = m.group(1)
+            assert name in typed or re.sub(r"_(bucket|count|sum)$", "", name) in typed, line
+            out[(name, frozenset(label.findall(m.group(2) or "")))] = float(m.group(3))
+    return out
+
+
+def _sample(metrics: dict, name: str, **labels: str) -> float:
+    """The one sample of `name` whose labels include `labels`."""
+    found = [v for (n, ls), v in metrics.items() if n == name and set(labels.items()) <= set(ls)]
+    assert len(found) == 1, (name, labels, found)
+    return found[0]
+
+
+def _ddtree_formula_site(tmp_path: Path, name: str) -> Path:
+    """A DDTree module without the payload's functions: /generate is paced with the formula's
+    accept length for the budget and top-k cap."""
+    return make_site_packages(tmp_path / name, {"ddtree_info.py": "X = 1\n"})
+
+
+def test_streaming_generate_answers_sglangs_events_with_cumulative_text_and_counts(spawn, tmp_path):
+    flags = ("--speculative-algorithm", "DDTREE", "--speculative-ddtree-budget", "16",
+             "--speculative-ddtree-topk-cap", "4")
+    s = spawn(*flags, site_packages=_ddtree_formula_site(tmp_path, "a"))
+    inc = spawn(*flags, "--incremental-streaming-output", site_packages=_ddtree_formula_site(tmp_path, "b"))
+    for srv in (s, inc):
+        srv.wait_status("/health", 200)
+    body = {"text": "Explain speculative decoding", "sampling_params": {"temperature": 0, "max_new_tokens": 40}}
+    ctype, events, _ = _stream(s, body)
+    assert ctype.startswith("text/event-stream")
+    chunks = [c for _, c in _chunks(events)]
+    assert len(chunks) >= 5
+    counts = [c["meta_info"]["completion_tokens"] for c in chunks]
+    steps = [b - a for a, b in zip([0, *counts], counts, strict=False)]
+    assert counts[-1] == 40 and all(n >= 1 for n in steps) and max(steps) >= 3, counts  # several tokens a step
+    for c in chunks:  # SGLang's default (non-incremental) stream: text and output_ids cumulative
+        assert len(c["output_ids"]) == c["meta_info"]["completion_tokens"]
+        assert c["text"] == " ".join(f"tok{t}" for t in c["output_ids"])
+        assert c["meta_info"]["id"] == chunks[0]["meta_info"]["id"]
+    for a, b in zip(chunks, chunks[1:], strict=False):
+        assert b["output_ids"][: len(a["output_ids"])] == a["output_ids"]
+    assert all(c["meta_info"]["finish_reason"] is None and "spec_accept_length" not in c["meta_info"]
+               for c in chunks[:-1])
+    last = chunks[-1]["meta_info"]
+    assert last["finish_reason"] == {"type": "length", "length": 40}
+    assert last["spec_verify_ct"] == len(chunks) and last["spec_accept_length"] == pytest.approx(40 / len(chunks))
+    assert last["e2e_latency"] > 0 and last["prompt_tokens"] == 3
+    # the same tokens as the answer without streaming
+    code, whole = s.post("/generate", body)
+    assert code == 200 and whole["text"] == chunks[-1]["text"]
+    # --incremental-streaming-output: each event carries its own tokens, the counts stay cumulative
+    deltas = [c for _, c in _chunks(_stream(inc, body)[1])]
+    assert [c["meta_info"]["completion_tokens"] for c in deltas] == counts
+    assert [t for c in deltas for t in c["output_ids"]] == whole["output_ids"]
+    assert "".join(c["text"] for c in deltas) == whole["text"]
+    # /metrics exists only with --enable-metrics, as in SGLang
+    assert _get_text(s, "/metrics")[0] == 404
+
+
+def test_release_with_budget16_topk4_decodes_faster_than_7_1_and_tokens_per_second_slows_it(spawn, tmp_path):
+    def release(budget: int, topk: int, *more: str) -> Server:
+        return spawn("--speculative-algorithm", "DDTREE", "--speculative-ddtree-budget", str(budget),
+                     "--speculative-ddtree-topk-cap", str(topk), *more,
+                     site_packages=_ddtree_formula_site(tmp_path, f"r{budget}-{topk}-{len(more)}"))
+
+    wide, narrow = release(16, 4), release(7, 1)
+    slow = release(16, 4, "--standin-tokens-per-second", "300", "--standin-ttft-seconds", "0.2")
+    for srv in (wide, narrow, slow):
+        srv.wait_status("/health", 200)
+    body = {"text": "Write a Python function", "sampling_params": {"temperature": 0.7, "max_new_tokens": 120}}
+    runs = {}
+    for name, srv in (("wide", wide), ("narrow", narrow), ("slow", slow)):
+        _, events, t0 = _stream(srv, body)
+        chunks = _chunks(events)
+        runs[name] = (chunks[0][0] - t0, _decode_rate(chunks), chunks[-1][1]["meta_info"])
+    (ttft_w, rate_w, meta_w), (_, rate_n, meta_n), (ttft_s, rate_s, meta_s) = runs["wide"], runs["narrow"], runs["slow"]
+    # accept length 1 + log2(1 + B/4) + (min(K, B) - 1)/4 at 400 verify steps/s: 4.07 and 2.46
+    assert meta_w["spec_accept_length"] == pytest.approx(4.0, abs=0.15)
+    assert meta_n["spec_accept_length"] == pytest.approx(2.46, abs=0.15)
+    assert rate_w > 1.3 * rate_n, runs
+    assert 900 < rate_w < 1800 and rate_n < 1100, runs
+    # --standin-tokens-per-second: the decode rate whatever the accept length; the prefill delay first
+    assert 200 < rate_s <= 330 and rate_s < rate_n / 2, runs
+    assert meta_s["spec_accept_length"] == pytest.approx(meta_w["spec_accept_length"])
+    assert 0.03 <= ttft_w < 0.2 <= ttft_s, runs
+
+
+def test_accept_length_knob_shows_in_server_info_and_metrics(spawn):
+    s = spawn("--standin-accept-length", "2.5", "--enable-metrics")
+    s.wait_status("/health", 200)
+    code, out = s.post("/generate", {"text": "a b c", "sampling_params": {"max_new_tokens": 100}})
+    assert code == 200
+    meta = out["meta_info"]
+    assert meta["completion_tokens"] == 100 and meta["spec_verify_ct"] == 40 and meta["spec_accept_length"] == 2.5
+    assert s.get("/server_info")[1]["internal_states"][0]["avg_spec_accept_length"] == 2.5
+    code, ctype, text = _get_text(s, "/metrics")
+    assert code == 200 and ctype.startswith("text/plain; version=0.0.4")
+    m = _prometheus(text)
+    assert _sample(m, "sglang:spec_accept_length", model_name="/models/toy", engine_type="unified",
+                   tp_rank="0") == 2.5
+    assert _sample(m, "sglang:spec_verify_calls_total") == 40
+    assert "accept len: 2.50, accept rate: " in s.log
+
+
+def test_metrics_histograms_count_served_requests(spawn):
+    import threading
+
+    s = spawn("--enable-metrics", "--max-running-requests", "1", "--standin-accept-length", "2")
+    s.wait_status("/health", 200)
+    base = {"temperature": 0}
+    for n in (10, 6):
+        assert s.post("/generate", {"text": f"p{n}", "sampling_params": {**base, "max_new_tokens": n}})[0] == 200
+    streamed = _chunks(_stream(s, {"text": "s", "sampling_params": {**base, "max_new_tokens": 9}})[1])
+    assert streamed[-1][1]["meta_info"]["completion_tokens"] == 9
+    # real gauges: one long request running, one waiting for the only slot
+    long_body = {"text": "long", "sampling_params": {**base, "max_new_tokens": 320}}  # 0.4 s at 800 tokens/s
+    threads = [threading.Thread(target=s.post, args=("/generate", long_body)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 5
+    while True:
+        m = _prometheus(_get_text(s, "/metrics")[2])
+        if _sample(m, "sglang:num_queue_reqs") == 1:
+            break
+        assert time.monotonic() < deadline, m
+        time.sleep(0.02)
+    assert _sample(m, "sglang:num_running_reqs") == 1
+    assert s.get("/v1/loads")[1]["loads"][0] == {"dp_rank": 0, "num_running_reqs": 1, "num_waiting_reqs": 1}
+    for t in threads:
+        t.join(10)
+    m = _prometheus(_get_text(s, "/metrics")[2])
+    assert _sample(m, "sglang:num_running_reqs") == 0 and _sample(m, "sglang:num_queue_reqs") == 0
+    # four plain requests (10, 6, 320 and 320 tokens) and one streamed (9); the warm-up is not counted
+    ttft = "sglang:time_to_first_token_seconds"
+    assert _sample(m, f"{ttft}_count", is_streaming="false") == 4
+    assert _sample(m, f"{ttft}_count", is_streaming="true") == 1
+    assert _sample(m, f"{ttft}_sum", is_streaming="true") >= 0.03
+    assert _sample(m, "sglang:e2e_request_latency_seconds_count", is_streaming="false") == 4
+    assert _sample(m, "sglang:e2e_request_latency_seconds_count", is_streaming="true") == 1
+    assert _sample(m, "sglang:generation_tokens_total", is_streaming="false") == 656
+    assert _sample(m, "sglang:generation_tokens_total", is_streaming="true") == 9
+    assert _sample(m, "sglang:prompt_tokens_total", is_streaming="false") == 4
+    assert _sample(m, "sglang:num_requests_total", is_streaming="false") == 4
+    assert _sample(m, "sglang:spec_verify_calls_total") == 5 + 3 + 160 + 160 + 5
+    # accept length 2: the first step's 2 tokens come with the prefill; each later step's tokens count one
+    # inter-token latency each, of the step's interval (1/400 s) over its tokens
+    itl = "sglang:inter_token_latency_seconds"
+    assert _sample(m, f"{itl}_count") == 8 + 4 + 318 + 318 + 7
+    assert 0.0008 < _sample(m, f"{itl}_sum") / _sample(m, f"{itl}_count") < 0.01
+    assert _sample(m, f"{itl}_bucket", le="0.002") > 0.8 * _sample(m, f"{itl}_count")
+    # cumulative buckets ending in +Inf == _count (SGLang's default bounds)
+    buckets = sorted(((float(dict(ls)["le"]), v) for (n, ls), v in m.items()
+                      if n == f"{ttft}_bucket" and ("is_streaming", "false") in ls))
+    assert buckets[0][0] == 0.1 and buckets[-1] == (float("inf"), 4)
+    assert [v for _, v in buckets] == sorted(v for _, v in buckets)
+    # a 0.03 s prefill, but the request that waited for the slot counts its ~0.4 s in the queue too
+    assert _sample(m, f"{ttft}_bucket", is_streaming="false", le="0.1") == 3
+    assert _sample(m, f"{ttft}_sum", is_streaming="false") > 0.35
+
+
+def test_startup_phase_lines_in_sglang_order_with_cuda_graph_knob(spawn, tmp_path):
+    t0 = time.monotonic()
+    s = spawn("--speculative-algorithm", "DDTREE", "--speculative-ddtree-budget", "16", "--enable-metrics",
+              "--standin-cuda-graph-seconds", "0.6", site_packages=_ddtree_formula_site(tmp_path, "sp"), load=0.1)
+    while s.get("/health")[0] is None:  # the port stays closed while loading and capturing
+        assert s.proc.poll() is None and time.monotonic() - t0 < 15, s.log
+        time.sleep(0.02)
+    assert time.monotonic() - t0 >= 0.7
+    s.wait_status("/health", 200)
+    log = s.log
+    order = ["Load weight begin. avail mem=", "Load weight end. elapsed=0.1", "Memory pool end. avail mem=",
+             "Capture target verify CUDA graph begin. backend=full, num_tokens_per_req=17, avail mem=",
+             "Capture target verify CUDA graph end. bs=[", "Engine startup timings (s): load_weight=0.1",
+             "Uvicorn running on", '"GET /model_info HTTP/1.1" 200', '"POST /generate HTTP/1.1" 200',
+             "The server is fired up and ready to roll!"]
+    positions = [log.find(x) for x in order]
+    assert -1 not in positions and positions == sorted(positions), log
+    import re
+
+    capture = float(re.search(r"CUDA graph end\. bs=\[[^]]*\], elapsed=([0-9.]+) s", log).group(1))
+    assert 0.55 <= capture < 1.5, log
+    timings = re.search(r"cuda_graph=\{prefill=0\.00, decode=0\.00, target_verify=([0-9.]+), draft_prefill", log)
+    assert timings and float(timings.group(1)) == capture, log
+    m = _prometheus(_get_text(s, "/metrics")[2])
+    assert _sample(m, "sglang:startup_cuda_graph_time_seconds", phase="target_verify") >= 0.55
+    assert _sample(m, "sglang:startup_time_seconds", phase="load_weight") >= 0.1

@@ -99,3 +99,31 @@ def test_the_live_progress_table_prints_what_hosts_send_literally():
     p._live = type("FakeLive", (), {"console": con})()
     p.note(EVIL)
     assert EVIL in con.export_text()
+
+
+def test_the_live_view_shows_each_running_hosts_phase_with_its_own_elapsed_time(monkeypatch):
+    from rich.console import Console
+
+    from ddtree_ops import fleetview
+    from ddtree_ops.results import PHASE_EVENT
+
+    now = [100.0]
+    monkeypatch.setattr(fleetview.time, "monotonic", lambda: now[0])
+    p = fleetview.LiveProgress()
+    p.state("h1", "running")
+    p.state("h2", "running")
+    p.event("h1", PHASE_EVENT + "cuda graphs")
+    p.event("h1", "waiting  3.0 s: cuda graphs 0 s; /health refused")
+    now[0] = 142.0
+    p.event("h2", PHASE_EVENT + "drain")
+    now[0] = 150.0
+    con = Console(record=True, width=200)
+    con.print(p._table())
+    lines = {ln.split()[1]: ln for ln in con.export_text().splitlines() if ln.strip().startswith(("│ h", "┃ h"))
+             or " h1 " in ln or " h2 " in ln}
+    assert "cuda graphs 50 s" in lines["h1"] and "waiting" in lines["h1"]
+    assert "drain 8 s" in lines["h2"]
+    p.state("h2", "deployed")
+    con = Console(record=True, width=200)
+    con.print(p._table())
+    assert "drain" not in con.export_text()  # a finished host has no phase

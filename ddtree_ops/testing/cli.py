@@ -21,6 +21,9 @@ def sandbox_up(
     load_seconds: float = typer.Option(0.5, "--load-seconds", help="Stand-in weight-loading time."),
     multinode: int = typer.Option(0, "--multinode",
                                   help="The last N hosts form one multi-node server (group server1)."),
+    router: bool = typer.Option(False, "--router",
+                                help="Also start a real smg router (SGLang Model Gateway) in front of the hosts' "
+                                     "servers; the inventory gets its router: section."),
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
 ):
     """Create N local test hosts and write DIR/inventory.yaml."""
@@ -28,12 +31,13 @@ def sandbox_up(
 
     def body():
         sb = Sandbox(dir)
-        rows = sb.up(hosts, load_seconds=load_seconds, multinode=multinode)
+        rows = sb.up(hosts, load_seconds=load_seconds, multinode=multinode, router=router)
         if as_json:
-            emit_json({"ok": True, "inventory": str(sb.inventory_path), "hosts": rows})
+            emit_json({"ok": True, "inventory": str(sb.inventory_path), "hosts": rows, **_router_fields(sb)})
         else:
             _print_sandbox(rows)
             print(f"inventory: {sb.inventory_path}")
+            _print_router(sb)
     guard(body, as_json=as_json)
 
 
@@ -46,12 +50,16 @@ def sandbox_status(
     from .sandbox import Sandbox
 
     def body():
-        rows = Sandbox(dir).status()
+        sb = Sandbox(dir)
+        rows = sb.status()
+        router = sb.router_status()
         if as_json:
-            emit_json({"ok": True, "hosts": rows})
+            emit_json({"ok": True, "hosts": rows, **_router_fields(sb, router)})
         else:
             _print_sandbox(rows)
-        return 0 if all(r["ssh_ok"] and r["health_up"] for r in rows) else EXIT_ERROR
+            _print_router(sb, router)
+        ok = all(r["ssh_ok"] and r["health_up"] for r in rows) and (router is None or router["up"])
+        return 0 if ok else EXIT_ERROR
     guard(body, as_json=as_json)
 
 
@@ -70,6 +78,21 @@ def sandbox_down(
         else:
             print(f"sandbox down: {res['hosts']} host(s), {res['killed']} process(es) stopped")
     guard(body, as_json=as_json)
+
+
+def _router_fields(sb, router: dict | None = None) -> dict:
+    """`router_url` and the router's row for the JSON documents; nothing without a router."""
+    info = router or sb.router_status()
+    return {"router_url": info["url"], "router": info} if info else {}
+
+
+def _print_router(sb, router: dict | None = None) -> None:
+    info = router or sb.router_status()
+    if not info:
+        return
+    workers = ", ".join(f"{w['url']} {w['status']}" for w in info["workers"]) or "none listed"
+    print(f"router: {info['url']} (smg, pid {info['pid']}, {'up' if info['up'] else 'DOWN'}; workers: {workers})")
+    print(f"router key: export {info['key_env']}=\"$(cat {info['key_file']})\"")
 
 
 def _print_sandbox(rows: list[dict]) -> None:

@@ -36,7 +36,9 @@ from ..health import http_client
 from ..inventory import Host, parse_inventory
 from ..release_store import ReleaseStore, answer_result
 from ..remote_agent import Agent
+from ..router import SmgRouter
 from ..services import UnitProbe, UnitState
+from .fake_router import FakeSmg
 
 FAKE_CRASH = b"FAKE_CRASH"  # a shipped module with this marker kills the server while it loads
 FAKE_HANG = b"FAKE_HANG"  # ... keeps it warming up (503) forever
@@ -54,7 +56,8 @@ def fake_inventory(n: int = 1, *, multinode: bool = False, **host_vars: Any) -> 
     base = {"address": "127.0.0.1", "known_hosts": "/nonexistent/known_hosts", "python": "/opt/venv_sglang/bin/python",
             "site_packages": SITE_PACKAGES, "conflicts": [DFLASH_UNIT], "model_path": "/models/kimi",
             "draft_model_path": "/models/draft", "budget": 16, "topk_cap": 4,
-            "health": {"poll_interval_s": 0.05, "consecutive_successes": 2, "load_deadline_s": 30}}
+            "health": {"poll_interval_s": 0.05, "consecutive_successes": 2, "load_deadline_s": 30,
+                       "min_healthy_s": 0.1, "soak_interval_s": 0.05}}
     base.update(host_vars)
     hosts = {f"fh{i + 1}": ({"node_rank": i} if multinode else {}) for i in range(n)}
     if multinode:
@@ -98,6 +101,10 @@ class FakeHost:
         # Requests in flight per unit, as /v1/loads reports them (None: no /v1/loads at all).
         self.in_flight: dict[str, int] | None = None
         self.stuck_requests = False  # in-flight requests never finish
+        # Per unit: its /generate answers 500 after this many calls (a server that goes bad later).
+        self.generate_fails_after: dict[str, int] = {}
+        self.generations: dict[str, int] = {}
+        self.smg: FakeSmg | None = None  # the router in front of the host (with a `router:` inventory)
         # GPU memory holders as nvidia-smi lists them (None: no nvidia-smi); a stopped unit's
         # process leaves the list after `gpu_linger` more looks (a worker still exiting).
         self.gpu_apps: list[GpuApp] | None = None
@@ -229,6 +236,9 @@ class FakeHost:
         if request.url.path == "/health":
             return httpx.Response(200 if ready else 503)
         if request.url.path == "/generate" and request.method == "POST":
+            self.generations[unit] = self.generations.get(unit, 0) + 1
+            if self.generations[unit] > self.generate_fails_after.get(unit, self.generations[unit]):
+                return httpx.Response(500, json={"error": {"message": "CUDA error: an illegal memory access"}})
             return httpx.Response(200, json={"text": " Paris."}) if ready else httpx.Response(503)
         if request.url.path == "/v1/loads" and self.in_flight is not None:
             n = self.in_flight.get(unit, 0)
@@ -399,6 +409,12 @@ class FakeSession:
 
     def sleep(self, seconds: float) -> None:
         self.fake.tick()
+
+    def router(self) -> SmgRouter | None:
+        """The fake smg (`fake.smg`) when the host's inventory has a router; waits cost nothing."""
+        if self.host.router is None or self.fake.smg is None:
+            return None
+        return SmgRouter(self.host.router, transport=self.fake.smg.transport(), sleep=lambda s: self.fake.tick())
 
     def reconnect(self) -> None:
         self.fake.reconnects += 1

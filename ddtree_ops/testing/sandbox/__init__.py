@@ -28,6 +28,8 @@ Modules, by concern:
                    operator would: the default inventory does not use one
     boot.sh/boot   the script that mounts a host's paths and becomes its sshd
     processes      a host's processes: found by namespace, ended by PID, waited for
+    smg            `up --router`: a real smg router on loopback in front of the hosts' servers, its
+                   control-plane key in DIR/router.key (0600); the inventory names ROUTER_KEY_ENV
     lifecycle      `Sandbox`: up, status, reset_host, down
 """
 
@@ -49,10 +51,12 @@ from .layout import (
 from .lifecycle import Sandbox
 from .prerequisites import SSHD, missing_prerequisites
 from .processes import _kill_namespace_processes, _namespace_pids
+from .smg import ROUTER_KEY_ENV
 from .wheelcache import cache_dir, sglang_site_tree
 
 __all__ = [
-    "DDTREE_UNIT", "DFLASH_UNIT", "SECRETS_CONFIG", "SERVER_PORT", "SGLANG_VERSION", "SITE_PACKAGES", "SSHD",
+    "DDTREE_UNIT", "DFLASH_UNIT", "ROUTER_KEY_ENV", "SECRETS_CONFIG", "SERVER_PORT", "SGLANG_VERSION",
+    "SITE_PACKAGES", "SSHD",
     "STANDIN_MODULE", "VENV_PATH", "Sandbox", "SandboxError", "SandboxHost", "_kill_namespace_processes",
     "_namespace_pids", "cache_dir", "inventory_doc", "missing_prerequisites", "multinode_inventory",
     "sglang_site_tree", "write_secrets_config",

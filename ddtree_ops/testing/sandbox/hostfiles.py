@@ -59,7 +59,9 @@ def inventory_doc(hosts: list[SandboxHost], *, client_key: Path, known_hosts: Pa
                 "topk_cap": 4,
                 "extra_args": [f"--standin-load-seconds={load_seconds}", "--standin-warmup-seconds=0.2"],
                 "health": {"load_deadline_s": 120, "poll_interval_s": 0.2,
-                           "consecutive_successes": 2, "request_timeout_s": 10},
+                           "consecutive_successes": 2, "request_timeout_s": 10,
+                           # No soak by default: the tests that exercise it ask for one.
+                           "min_healthy_s": 0},
             },
             "children": {
                 "sandbox": {"hosts": {h.name: {"address": h.address} for h in hosts}},

@@ -15,6 +15,7 @@ from typing import Any
 from ddtree_ops.inventory import load_inventory
 from ddtree_ops.localproc import pid_alive
 
+from . import smg
 from .boot import boot
 from .errors import SandboxError
 from .hostfiles import HOST_KEY, _prepare_host_files, inventory_doc, write_inventory
@@ -35,7 +36,8 @@ from .system import file_lock, run
 from .wheelcache import sglang_site_tree
 
 # What `down` deletes in the sandbox folder (besides hosts/); the folder goes too when then empty.
-_FILES = ("inventory.yaml", "known_hosts", "id_ed25519", "id_ed25519.pub", "sandbox.json")
+_FILES = ("inventory.yaml", "known_hosts", "id_ed25519", "id_ed25519.pub", "sandbox.json", smg.KEY_FILE,
+          smg.LOG_FILE)
 
 
 class Sandbox:
@@ -64,13 +66,15 @@ class Sandbox:
 
     # -- up ----------------------------------------------------------------------------------
     def up(self, n_hosts: int = 2, *, load_seconds: float = 0.5, timeout_s: float = 60.0,
-           multinode: int = 0) -> list[dict]:
-        """`multinode=N`: the last N hosts form one multi-node server (group `server1`)."""
+           multinode: int = 0, router: bool = False) -> list[dict]:
+        """`multinode=N`: the last N hosts form one multi-node server (group `server1`).
+        `router`: a real smg in front of the hosts' servers (see smg.py); the inventory gets a
+        `router:` section naming it, and its key is in `router_key_file`."""
         if not 1 <= n_hosts <= 32:
             raise SandboxError(f"--hosts must be 1..32, got {n_hosts}")
         if multinode and not 2 <= multinode <= n_hosts:
             raise SandboxError(f"--multinode must be 2..{n_hosts} (hosts), got {multinode}")
-        missing = missing_prerequisites()
+        missing = missing_prerequisites() + ([m] if router and (m := smg.smg_missing()) else [])
         if missing:
             raise SandboxError("cannot create sandbox hosts; missing:\n  - " + "\n  - ".join(missing))
         check_not_mounted_over(self.dir)
@@ -99,9 +103,14 @@ class Sandbox:
                     state["hosts"].append(asdict(h))
                     self._save_state(state)
                     make_netns(h)
-            write_inventory(self.inventory_path, inventory_doc(
-                hosts, client_key=self.client_key, known_hosts=self.known_hosts, load_seconds=load_seconds,
-                multinode=multinode))
+            doc = inventory_doc(hosts, client_key=self.client_key, known_hosts=self.known_hosts,
+                                load_seconds=load_seconds, multinode=multinode)
+            router_port = smg.free_port() if router else None
+            if router_port:
+                smg.write_key(self.router_key_file)
+                doc["all"]["vars"]["router"] = {"kind": "smg", "url": f"http://127.0.0.1:{router_port}",
+                                                "admin_key_env": smg.ROUTER_KEY_ENV, "timeout_s": 30}
+            write_inventory(self.inventory_path, doc)
             inv = load_inventory(self.inventory_path)
             known_lines = [_prepare_host_files(h, inv.hosts[h.name], self.client_key.with_suffix(".pub"))
                            for h in hosts]
@@ -112,11 +121,38 @@ class Sandbox:
                 state["hosts"] = [asdict(x) for x in hosts]
                 self._save_state(state)
             wait_healthy(hosts, inv, timeout_s)
+            if router_port:
+                # Each server once: rank 0 of a multi-node server (the other ranks serve nothing).
+                workers = [inv.hosts[h.name].base_url for h in hosts if inv.hosts[h.name].node_rank == 0]
+                state["router"] = smg.start(self.dir, workers, router_port)
+                self._save_state(state)
+                smg.wait_ready(state["router"])
         except BaseException:
             with contextlib.suppress(Exception):
                 self.down()
             raise
         return self.status()
+
+    # -- the router (`up(router=True)`) ------------------------------------------------------
+    @property
+    def router_key_file(self) -> Path:
+        return self.dir / smg.KEY_FILE
+
+    def router(self) -> dict[str, Any] | None:
+        """The router's record (url, pid, key_file, key_env, log, workers), or None without one."""
+        return (self._load_state() or {}).get("router")
+
+    def router_env(self) -> dict[str, str]:
+        """{ROUTER_KEY_ENV: key}: the environment a tool run against the sandbox inventory needs
+        for its `router:` (empty without a router)."""
+        info = self.router()
+        return {smg.ROUTER_KEY_ENV: smg.read_key(info["key_file"])} if info else {}
+
+    def router_status(self) -> dict[str, Any] | None:
+        """The router's row for `status`: url, pid, up, key_env, key_file, its workers; None
+        without a router."""
+        info = self.router()
+        return smg.status(info) if info else None
 
     def _make_client_key(self) -> None:
         for p in (self.client_key, self.client_key.with_suffix(".pub")):
@@ -190,7 +226,7 @@ class Sandbox:
         state = self._load_state()
         if state is None:
             return {"hosts": 0, "killed": 0}
-        killed = 0
+        killed = smg.stop(state["router"]) if state.get("router") else 0
         for hd in state.get("hosts", []):
             h = SandboxHost.from_dict(hd)
             killed += _kill_namespace_processes(h)

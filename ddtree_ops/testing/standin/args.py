@@ -59,7 +59,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--standin-die-after-ready", type=float, default=None, metavar="SECONDS",
                    help="exit 1 SECONDS after the server declared itself ready")
     g.add_argument("--standin-generate-seconds", type=float, default=0.0, metavar="S",
-                   help="each /generate takes S seconds (in flight meanwhile: /v1/loads, the SIGTERM drain)")
+                   help="each /generate takes S seconds (in flight meanwhile: /v1/loads, the SIGTERM drain); "
+                        "the first chunk still comes after the prefill delay, the others share the rest")
+    g.add_argument("--standin-cuda-graph-seconds", type=float, default=0.0, metavar="S",
+                   help="CUDA graph capture takes S seconds (port still closed), between 'Memory pool end' "
+                        "and the capture's end line")
+    g.add_argument("--standin-ttft-seconds", type=float, default=0.03, metavar="S",
+                   help="prefill delay of each request: its first token (first stream chunk) comes S seconds "
+                        "after it was admitted")
+    g.add_argument("--standin-tokens-per-second", type=float, default=None, metavar="R",
+                   help="per-request decode rate: a verify step committing n tokens takes n/R seconds. "
+                        "Default: one verify step per 1/N s (--standin-verify-steps-per-second), i.e. "
+                        "N x the accept length tokens/s")
+    g.add_argument("--standin-verify-steps-per-second", type=float, default=400.0, metavar="N",
+                   help="verify steps (target forwards) per second and request when --standin-tokens-per-second "
+                        "is not given: the decode rate at accept length 1 (default 400)")
+    g.add_argument("--standin-accept-length", type=float, default=None, metavar="A",
+                   help="average accept length (tokens committed per verify step, >= 1) reported and paced. "
+                        "Default: measured by the DDTree payload when it runs; else, with "
+                        "--speculative-algorithm DDTREE, 1 + log2(1 + budget/4) + (min(topk_cap, budget) - 1)/4; "
+                        "else 1.0")
     g.add_argument("--standin-gpu-dir", default="/run/ddtree-sandbox/gpu", metavar="DIR",
                    help="register this process's 'GPU memory' here (a file per PID) for the sandbox's nvidia-smi, "
                         "when the folder exists")

@@ -1,17 +1,32 @@
-"""HTTP: SGLang's endpoints on a threading server, answered from a `State`."""
+"""HTTP: SGLang's endpoints on a threading server, answered from a `State`.
+
+`POST /generate` with `"stream": true` answers as SGLang 0.5.23's `generate_request` does
+(srt/entrypoints/http_server.py): `text/event-stream`, one `data: {json}\n\n` event per verify step
+(see `state.Generation`), then `data: [DONE]\n\n`. `GET /metrics` (only with `--enable-metrics`, else
+404 as SGLang) is the Prometheus text of `state.Metrics`."""
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from .logs import log, log_raw
-from .state import State
+from .state import Generation, State
 
 NO_KEY_PREFIXES = ("/health", "/ready", "/metrics")
+# The stand-in's own warm-up request (timeline.run, as SGLang's _execute_server_warmup sends one): kept
+# out of the counters, /metrics and the fault knobs.
+WARMUP_HEADER = "X-Standin-Warmup"
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def _dumps(obj: Any) -> bytes:
+    """Compact JSON, as SGLang's orjson-based dumps_json writes it."""
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -24,13 +39,13 @@ class Handler(BaseHTTPRequestHandler):
         log_raw(f'INFO:     {self.client_address[0]}:{self.client_address[1]} - "{self.requestline}" '
                 f"{args[1] if len(args) > 1 else ''}")
 
-    def _send(self, code: int, body: Any = None) -> None:
+    def _send(self, code: int, body: Any = None, content_type: str | None = None) -> None:
         if body is None:
             data = b""
             ctype = "text/plain"
         elif isinstance(body, (bytes, str)):
             data = body.encode() if isinstance(body, str) else body
-            ctype = "text/plain; charset=utf-8"
+            ctype = content_type or "text/plain; charset=utf-8"
         else:
             data = json.dumps(body).encode()
             ctype = "application/json"
@@ -83,9 +98,13 @@ class Handler(BaseHTTPRequestHandler):
         elif path == "/v1/loads":  # SGLang 0.5.23 srt/entrypoints/v1_loads.py, the "core" fields
             with st.lock:
                 running = st.running
+                queued = st.queued
             self._send(200, {"timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                              "version": "0.5.23", "accelerator": None, "num_accelerators": 0,
-                             "loads": [{"dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": 0}]})
+                             "loads": [{"dp_rank": 0, "num_running_reqs": running - queued,
+                                        "num_waiting_reqs": queued}]})
+        elif path == "/metrics" and st.metrics_enabled:
+            self._send(200, st.metrics_text(), PROMETHEUS_CONTENT_TYPE)
         elif path == "/v1/models":
             name = st.args.served_model_name or st.args.model_path
             self._send(200, {"object": "list", "data": [
@@ -107,7 +126,8 @@ class Handler(BaseHTTPRequestHandler):
             self._send(404, {"detail": "Not Found"})
             return
         st = self.state
-        if st.args.standin_generate_fails:
+        warmup = self.headers.get(WARMUP_HEADER) == "1"
+        if st.args.standin_generate_fails and not warmup:
             log("Stand-in fault: /generate fails (--standin-generate-fails)", "TP0")
             self._send(500, {"error": {"message": "Internal server error (stand-in fault)"}})
             return
@@ -119,22 +139,80 @@ class Handler(BaseHTTPRequestHandler):
             sp = req.get("sampling_params") or {}
             if not isinstance(sp, dict):
                 raise ValueError("sampling_params must be an object")
-            with st.lock:
-                st.running += 1
-            try:
-                if st.args.standin_generate_seconds > 0:
-                    time.sleep(st.args.standin_generate_seconds)
-                out = [st.generate_one(str(t), sp) for t in text] if isinstance(text, list) else \
-                    st.generate_one(str(text), sp)
-            finally:
-                with st.lock:
-                    st.running -= 1
-            self._send(200, out)
+            stream = bool(req.get("stream", False))
+            if stream and isinstance(text, list):
+                raise ValueError("the stand-in streams one prompt at a time, not a batch")
+            texts = [str(t) for t in text] if isinstance(text, list) else [str(text)]
+            gens = [Generation(st, t, sp, stream=stream, warmup=warmup) for t in texts]
         except (ValueError, TypeError) as exc:
             self._send(400, {"error": {"message": str(exc)}})
+            return
+        try:
+            if stream:
+                self._stream(gens[0])
+            else:
+                outs = self._run_all(gens)
+                self._send(200, outs if isinstance(text, list) else outs[0])
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client left
         except Exception as exc:  # noqa: BLE001
             log(f"/generate failed: {exc}\n{traceback.format_exc()}", "TP0")
             self._send(500, {"error": {"message": str(exc)}})
+        finally:
+            for g in gens:
+                g.release()  # answered: no longer in flight (the SIGTERM drain waits for this)
+
+    def _run_all(self, gens: list[Generation]) -> list[dict[str, Any]]:
+        """Generate a batch side by side, as SGLang schedules its requests together."""
+        outs: list[Any] = [None] * len(gens)
+        errors: list[BaseException] = []
+
+        def one(i: int) -> None:
+            try:
+                gens[i].start()
+                outs[i] = gens[i].run()
+            except BaseException as exc:  # noqa: BLE001 - re-raised below
+                errors.append(exc)
+
+        if len(gens) == 1:
+            one(0)
+        else:
+            threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(gens))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        if errors:
+            raise errors[0]
+        return outs
+
+    def _write_chunk(self, data: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
+
+    def _stream(self, gen: Generation) -> None:
+        """SGLang's StreamingResponse: `data: {json}` per chunk, `data: [DONE]` at the end; an error
+        after the first byte is one more `data: {"error": ...}` event."""
+        gen.start()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        chunks = gen.chunks()
+        try:
+            for out in chunks:
+                self._write_chunk(b"data: " + _dumps(out) + b"\n\n")
+        except (BrokenPipeError, ConnectionResetError):
+            chunks.close()  # counted as aborted
+            raise
+        except Exception as exc:  # noqa: BLE001
+            log(f"/generate failed: {exc}\n{traceback.format_exc()}", "TP0")
+            err = {"error": {"message": str(exc), "type": "invalid_request_error", "code": 400,
+                             "retryable": False}}
+            self._write_chunk(b"data: " + _dumps(err) + b"\n\n")
+        self._write_chunk(b"data: [DONE]\n\n")
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
 
 
 class _Server(ThreadingHTTPServer):

@@ -1,13 +1,28 @@
-"""What the server knows and answers: its arguments, counters, info documents and /generate."""
+"""What the server knows and answers: its arguments, counters, info documents, /generate (paced, streamed
+or not) and the Prometheus text of /metrics.
+
+Pacing (per request, as one server with room for every request would serve it): after admission (a
+free slot under SGLang's --max-running-requests, when given) the prefill takes --standin-ttft-seconds,
+then the first verify step's tokens come (the first stream chunk), then one chunk per verify step.
+A verify step commits the accept length's worth of tokens: what the DDTree payload's tree verify
+accepted when it runs, else `accept_length()` tokens on average. A step takes n/R seconds with
+--standin-tokens-per-second R, else 1/N with --standin-verify-steps-per-second N (default
+BASE_VERIFY_STEPS_PER_SECOND), so the decode rate is N x the accept length tokens/s.
+
+Steps are scheduled on an absolute clock, so the work of a step (the payload's tree verify costs
+about 2 ms of CPU, under the GIL) hides in the wait; a process asked for more steps per second than
+its CPU gives runs late, and every request slows alike."""
 
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import threading
 import time
 import traceback
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +37,146 @@ from .toymodel import (
     _prompt_tokens,
     _seed_of,
     ddtree_step,
-    generate_autoregressive,
+    detokenize,
+    iter_autoregressive,
 )
 
 SGLANG_VERSION = "0.5.23"
 DEFAULT_BUDGET = 16
+# Verify steps (target forwards) per second and request: tokens/s at accept length 1
+# (--standin-verify-steps-per-second's default).
+BASE_VERIFY_STEPS_PER_SECOND = 400.0
+
+
+def default_accept_length(budget: int, topk_cap: int) -> float:
+    """The accept length a DDTree release gets when nothing measures one: monotone in the budget
+    (deeper trees) and the top-k cap (wider ones), 1 + log2(1 + budget/4) + (min(topk_cap, budget) - 1)/4.
+    Budget 16 / top-k cap 4: 4.07; 7/1: 2.46; 8/2: 2.83; 24/6: 5.06."""
+    budget = max(1, int(budget))
+    topk = max(1, min(int(topk_cap), budget))
+    return 1.0 + math.log2(1.0 + budget / 4.0) + (topk - 1) / 4.0
+
+
+def _truthy(value: Any) -> bool:
+    return value is True or (isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on"))
+
+
+# -- Prometheus --------------------------------------------------------------------------
+# SGLang 0.5.23's default buckets (srt/observability/metrics_collector.py, TokenizerMetricsCollector).
+TTFT_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
+E2E_BUCKETS = TTFT_BUCKETS + (600, 1200, 1800, 2400)
+ITL_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.025, 0.030, 0.035, 0.040, 0.060, 0.080,
+               0.100, 0.200, 0.400, 0.600, 0.800, 1.000, 2.000, 4.000, 6.000, 8.000)
+GRAPH_PHASES = ("prefill", "decode", "target_verify", "draft_prefill", "draft_decode", "draft_extend")
+STARTUP_PHASES = ("load_weight", "kv_cache_allocation", "scheduler_e2e", "tokenizer_e2e")
+
+# name: (type, help, buckets) -- in the order they are shown
+_FAMILIES: dict[str, tuple[str, str, tuple[float, ...] | None]] = {
+    "sglang:num_running_reqs": ("gauge", "The number of running requests.", None),
+    "sglang:num_queue_reqs": ("gauge", "The number of requests in the waiting queue.", None),
+    "sglang:gen_throughput": ("gauge", "The generation throughput (token/s).", None),
+    "sglang:cache_hit_rate": ("gauge", "The prefix cache hit rate.", None),
+    "sglang:token_usage": ("gauge", "The token usage.", None),
+    "sglang:num_used_tokens": ("gauge", "The number of used tokens.", None),
+    "sglang:spec_accept_length": (
+        "gauge", "Mean acceptance length of speculative decoding (accepted drafts + bonus token per forward).",
+        None),
+    "sglang:spec_accept_rate": (
+        "gauge", "Speculative acceptance rate (`accepted drafts / proposed drafts` in batch).", None),
+    "sglang:startup_time_seconds": ("gauge", "Engine startup duration by phase in seconds.", None),
+    "sglang:startup_cuda_graph_time_seconds": ("gauge", "CUDA graph capture duration by phase in seconds.", None),
+    "sglang:prompt_tokens_total": ("counter", "Number of prefill tokens processed.", None),
+    "sglang:generation_tokens_total": ("counter", "Number of generation tokens processed.", None),
+    "sglang:spec_verify_calls_total": ("counter", "Number of speculative decoding verification calls.", None),
+    "sglang:num_requests_total": ("counter", "Number of requests processed.", None),
+    "sglang:num_aborted_requests_total": ("counter", "Number of requests aborted.", None),
+    "sglang:time_to_first_token_seconds": (
+        "histogram", "Histogram of time to first token in seconds.", TTFT_BUCKETS),
+    "sglang:inter_token_latency_seconds": (
+        "histogram", "Histogram of inter-token latency in seconds.", ITL_BUCKETS),
+    "sglang:request_time_per_output_token_seconds": (
+        "histogram", "Per-request TPOT in seconds: (finished_time - first_token_time) / (completion_tokens - 1).",
+        ITL_BUCKETS),
+    "sglang:e2e_request_latency_seconds": (
+        "histogram", "Histogram of End-to-end request latency in seconds", E2E_BUCKETS),
+}
+
+
+def go_float(d: float) -> str:
+    """prometheus_client's floatToGoString: how a sample value or bucket bound is written."""
+    d = float(d)
+    if d == math.inf:
+        return "+Inf"
+    if d == -math.inf:
+        return "-Inf"
+    if math.isnan(d):
+        return "NaN"
+    s = repr(d)
+    dot = s.find(".")
+    if d > 0 and dot > 6:
+        mantissa = f"{s[0]}.{s[1:dot]}{s[dot + 1:]}".rstrip("0.")
+        return f"{mantissa}e+0{dot - 1}"
+    return s
+
+
+def _label_text(labels: tuple[tuple[str, str], ...]) -> str:
+    def esc(v: str) -> str:
+        return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+    return "{" + ",".join(f'{k}="{esc(v)}"' for k, v in labels) + "}" if labels else ""
+
+
+class Metrics:
+    """The few SGLang metrics a gate or a soak reads, kept as prometheus_client keeps them and written
+    as SGLang's multi-process collector writes them (labels sorted by name, `le` last, no _created)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        # family -> {sorted label items: value | [bucket counts, count, sum]}
+        self.series: dict[str, dict[tuple[tuple[str, str], ...], Any]] = {name: {} for name in _FAMILIES}
+
+    @staticmethod
+    def _key(labels: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+        return tuple(sorted((k, str(v)) for k, v in labels.items()))
+
+    def set(self, name: str, labels: dict[str, Any], value: float) -> None:
+        with self.lock:
+            self.series[name][self._key(labels)] = float(value)
+
+    def inc(self, name: str, labels: dict[str, Any], value: float = 1.0) -> None:
+        with self.lock:
+            key = self._key(labels)
+            self.series[name][key] = self.series[name].get(key, 0.0) + float(value)
+
+    def observe(self, name: str, labels: dict[str, Any], value: float, count: int = 1) -> None:
+        """`count` observations of `value` with `value * count` added to the sum (SGLang's inter-token
+        latency: a chunk of n tokens after an interval t counts n observations of t/n)."""
+        buckets = _FAMILIES[name][2] or ()
+        with self.lock:
+            key = self._key(labels)
+            ser = self.series[name].setdefault(key, [[0] * (len(buckets) + 1), 0, 0.0])
+            idx = next((i for i, b in enumerate(buckets) if value <= b), len(buckets))
+            ser[0][idx] += count
+            ser[1] += count
+            ser[2] += value * count
+
+    def render(self) -> str:
+        out: list[str] = []
+        with self.lock:
+            for name, (mtype, doc, buckets) in _FAMILIES.items():
+                out.append(f"# HELP {name} {doc}")
+                out.append(f"# TYPE {name} {mtype}")
+                for key, val in sorted(self.series[name].items()):
+                    if mtype != "histogram":
+                        out.append(f"{name}{_label_text(key)} {go_float(val)}")
+                        continue
+                    acc = 0
+                    for bound, n in zip((*(buckets or ()), math.inf), val[0], strict=True):
+                        acc += n
+                        out.append(f"{name}_bucket{_label_text(key + (('le', go_float(bound)),))} {go_float(acc)}")
+                    out.append(f"{name}_count{_label_text(key)} {go_float(val[1])}")
+                    out.append(f"{name}_sum{_label_text(key)} {go_float(val[2])}")
+        return "\n".join(out) + "\n"
 
 
 class State:
@@ -37,9 +187,13 @@ class State:
         self.imported = imported
         self.site_packages = site_packages
         self.status = "Starting"  # Starting | Up
-        self.running = 0  # /generate requests in flight (for /v1/loads and the SIGTERM drain)
-        self.gracefully_exiting = False  # SIGTERM received while Up: /health 503, finish what runs
         self.lock = threading.Lock()
+        self.slot_free = threading.Condition(self.lock)
+        self.running = 0  # /generate requests in flight, queued ones included (/v1/loads, the SIGTERM drain)
+        self.queued = 0  # of which waiting for a slot (--max-running-requests)
+        self.active = 0  # of which generating (SGLang's running requests)
+        self.running_rids: dict[str, None] = {}
+        self.gracefully_exiting = False  # SIGTERM received while Up: /health 503, finish what runs
         self.health_counter = 0
         self.total_verify_ct = 0
         self.total_committed = 0
@@ -47,6 +201,17 @@ class State:
         self.ddtree_fns = lookup_ddtree_functions()
         self.payload_errors = 0
         self.start_time = time.time()
+        self.metrics = Metrics()
+        self.metrics_enabled = _truthy(extra.get("enable_metrics"))
+        self.incremental_streaming = _truthy(extra.get("incremental_streaming_output"))
+        try:
+            self.max_running = max(1, int(extra["max_running_requests"]))
+        except (KeyError, TypeError, ValueError):
+            self.max_running = None
+        self.startup_time: dict[str, Any] | None = None
+        for name in ("sglang:gen_throughput", "sglang:cache_hit_rate", "sglang:token_usage",
+                     "sglang:num_used_tokens", "sglang:spec_accept_length", "sglang:spec_accept_rate"):
+            self.metrics.set(name, self.scheduler_labels(), 0.0)
 
     # -- info ------------------------------------------------------------------------
     def budget(self) -> int:
@@ -54,6 +219,58 @@ class State:
 
     def topk_cap(self) -> int:
         return self.args.speculative_ddtree_topk_cap or self.budget()
+
+    def served_model_name(self) -> str:
+        return self.args.served_model_name or self.args.model_path
+
+    def accept_length(self) -> float | None:
+        """Tokens per verify step a request is paced and counted with; None: the payload's tree verify
+        measures them (each step commits what it accepted). See `args.build_parser`'s help."""
+        a = self.args
+        if a.standin_accept_length is not None:
+            return max(1.0, float(a.standin_accept_length))
+        if self.ddtree_fns is not None:
+            return None
+        if (a.speculative_algorithm or "").upper() == "DDTREE":
+            return default_accept_length(self.budget(), self.topk_cap())
+        return 1.0
+
+    def num_draft_tokens(self) -> int:
+        """Tokens verified per request and step: --speculative-num-draft-tokens, else DFlash's default
+        block (16), else the DDTree's budget + 1 (its root and its nodes)."""
+        n = self.args.speculative_num_draft_tokens
+        if n:
+            return n
+        return 16 if (self.args.speculative_algorithm or "").upper() == "DFLASH" else self.budget() + 1
+
+    def draft_tokens_per_step(self) -> int:
+        """Drafts proposed per verify step (SGLang: speculative_num_draft_tokens - 1)."""
+        return max(1, self.num_draft_tokens() - 1)
+
+    def scheduler_labels(self) -> dict[str, Any]:
+        """SGLang 0.5.23's SchedulerMetricsCollector labels (one TP rank 0, no PD disaggregation)."""
+        return {"model_name": self.served_model_name(), "engine_type": "unified", "tp_rank": 0, "pp_rank": 0,
+                "moe_ep_rank": 0}
+
+    def tokenizer_labels(self) -> dict[str, Any]:
+        return {"model_name": self.served_model_name(), "engine_type": "unified"}
+
+    def set_startup_time(self, startup: dict[str, Any]) -> None:
+        """SGLang's `Engine startup timings` as /metrics shows them (TokenizerMetricsCollector.emit_startup_time)."""
+        self.startup_time = startup
+        for phase in STARTUP_PHASES:
+            self.metrics.set("sglang:startup_time_seconds", {**self.tokenizer_labels(), "phase": phase},
+                             startup[phase])
+        for phase, seconds in startup["cuda_graph"].items():
+            self.metrics.set("sglang:startup_cuda_graph_time_seconds", {**self.tokenizer_labels(), "phase": phase},
+                             seconds)
+
+    def metrics_text(self) -> str:
+        with self.lock:
+            running, queued = self.active, self.queued
+        self.metrics.set("sglang:num_running_reqs", self.scheduler_labels(), running)
+        self.metrics.set("sglang:num_queue_reqs", self.scheduler_labels(), queued)
+        return self.metrics.render()
 
     def server_info(self) -> dict[str, Any]:
         a = self.args
@@ -110,77 +327,300 @@ class State:
             "served_model_name": a.served_model_name or a.model_path,
         }
 
+    # -- admission -------------------------------------------------------------------
+    def admit(self, rid: str) -> None:
+        """Count the request in flight, then wait for a slot (SGLang's --max-running-requests)."""
+        with self.slot_free:
+            self.running += 1
+            self.running_rids[rid] = None
+            self.queued += 1
+            try:
+                while self.max_running is not None and self.active >= self.max_running:
+                    self.slot_free.wait(0.5)
+            finally:
+                self.queued -= 1
+            self.active += 1
+
+    def free_slot(self) -> None:
+        """The request's generation ended: a queued one may start. It stays in flight until answered."""
+        with self.slot_free:
+            self.active -= 1
+            self.slot_free.notify()
+
+    def release(self, rid: str) -> None:
+        """The request was answered (or its client left): no longer in flight."""
+        with self.slot_free:
+            self.running -= 1
+            self.running_rids.pop(rid, None)
+            self.slot_free.notify()
+
     # -- generation ------------------------------------------------------------------
     def generate_one(self, text: str, sp: dict[str, Any], count_stats: bool = True) -> dict[str, Any]:
-        t0 = time.time()
-        params = _params(sp)
-        max_new = params[3]
-        seed = _seed_of(text)
-        model = ToyModel(seed)
-        prompt = _prompt_tokens(text)
-        last = prompt[-1]
-        out: list[int] = []
-        verify_ct = 0
-        accepted_drafts = 0
-        max_depth_seen = 0
-        used_ddtree = False
-        fns = self.ddtree_fns
-        if fns is not None and max_new > 0:
+        """One non-streamed generation, paced, start to end (what POST /generate answers)."""
+        gen = Generation(self, text, sp, count_stats=count_stats)
+        gen.start()
+        try:
+            return gen.run()
+        finally:
+            gen.release()
+
+
+class Generation:
+    """One /generate request: tokens a verify step at a time, each step's chunk due when the release's
+    pacing says (see the module's docstring); `chunks()` yields what SGLang 0.5.23's tokenizer manager
+    would send for a stream (text and output_ids cumulative, or deltas with
+    --incremental-streaming-output; meta_info.completion_tokens cumulative; finish_reason, e2e_latency
+    and the spec_* figures on the last chunk only)."""
+
+    def __init__(self, state: State, text: str, sp: dict[str, Any], *, stream: bool = False,
+                 count_stats: bool = True, warmup: bool = False):
+        self.state = state
+        self.warmup = warmup  # the server's own warm-up request: not counted, not --standin-generate-seconds
+        count_stats = count_stats and not warmup
+        self.text = text
+        self.params = _params(sp)
+        self.max_new = self.params[3]
+        self.stream = stream
+        self.count_stats = count_stats
+        self.rid = uuid.uuid4().hex
+        self.arrival = time.monotonic()
+        self.prompt = _prompt_tokens(text)
+        self.incremental = stream and state.incremental_streaming
+        self.used_ddtree = False
+        self.accepted_drafts = 0
+        self.max_depth = 0
+        self.done = False
+        self._slot_held = False
+        self._admitted = False
+
+    def start(self) -> None:
+        self.state.admit(self.rid)
+        self._admitted = self._slot_held = True
+
+    def release(self) -> None:
+        if self._slot_held:
+            self._slot_held = False
+            self.state.free_slot()
+        if self._admitted:
+            self._admitted = False
+            self.state.release(self.rid)
+
+    def run(self) -> dict[str, Any]:
+        last: dict[str, Any] = {}
+        for chunk in self.chunks():
+            last = chunk
+        return last
+
+    # -- tokens ---------------------------------------------------------------------
+    def _payload_steps(self, model: ToyModel, last: int, seed: int) -> Iterator[list[int]]:
+        """Verify steps with the DDTree payload (each step: the tokens it commits); on a payload error
+        (logged with its traceback) autoregressive steps from there on."""
+        st = self.state
+        fns = st.ddtree_fns
+        if fns is not None and self.max_new > 0:
             try:
                 import torch  # lazy: the payload imports it anyway
+
+                _one_torch_thread(torch)
                 gen = torch.Generator().manual_seed(seed & 0x7FFFFFFFFFFFFFFF)
-                while len(out) < max_new:
-                    committed, n, depth = ddtree_step(fns, torch, model, last, params,
-                                                      self.budget(), self.topk_cap(), gen)
-                    out.extend(committed)
+                while True:
+                    with _PAYLOAD_LOCK:
+                        committed, n, depth = ddtree_step(fns, torch, model, last, self.params, st.budget(),
+                                                          st.topk_cap(), gen)
+                    self.used_ddtree = True
+                    self.accepted_drafts += n
+                    self.max_depth = max(self.max_depth, depth)
                     last = committed[-1]
-                    verify_ct += 1
-                    accepted_drafts += n
-                    max_depth_seen = max(max_depth_seen, depth)
-                used_ddtree = True
+                    yield committed
             except Exception as exc:  # noqa: BLE001 - any payload failure falls back
-                with self.lock:
-                    self.payload_errors += 1
+                with st.lock:
+                    st.payload_errors += 1
+                self.used_ddtree = False
                 log(f"DDTree payload error in /generate, falling back to autoregressive "
                     f"decoding: {exc}\n{traceback.format_exc()}", "TP0")
-                out, verify_ct, accepted_drafts, max_depth_seen = [], 0, 0, 0
-                last = prompt[-1]
-        if not used_ddtree:
-            rng = random.Random(seed)
-            out = generate_autoregressive(model, last, max_new, params, rng)
-            verify_ct = len(out)
-        out = out[:max_new]
-        committed_n = len(out)
-        accept_len = (committed_n / verify_ct) if verify_ct else 1.0
-        if used_ddtree and verify_ct and max_depth_seen:
-            accept_rate = accepted_drafts / (verify_ct * max_depth_seen)
-        else:
-            accept_rate = 0.0
-        if count_stats:
-            with self.lock:
-                self.generate_count += 1
-                self.total_verify_ct += verify_ct if verify_ct else 1
-                self.total_committed += committed_n if verify_ct else 1
-        elapsed = time.time() - t0
-        if count_stats:
-            log(f"Decode batch. #running-req: 1, #token: {len(prompt) + committed_n}, "
-                f"token usage: 0.00, accept len: {accept_len:.2f}, accept rate: {accept_rate:.2f}, "
-                f"cuda graph: True, gen throughput (token/s): "
-                f"{committed_n / max(elapsed, 1e-6):.2f}, #queue-req: 0", "TP0")
-        return {
-            "text": " ".join(f"tok{t}" for t in out),
-            "output_ids": out,
-            "meta_info": {
-                "id": uuid.uuid4().hex,
-                "prompt_tokens": len(prompt),
-                "completion_tokens": committed_n,
-                "cached_tokens": 0,
-                "weight_version": "default",
-                "spec_accept_length": accept_len,
-                "spec_accept_rate": accept_rate,
-                "spec_verify_ct": verify_ct,
-                "spec_ddtree": used_ddtree,
-                "finish_reason": {"type": "length", "length": max_new},
-                "e2e_latency": elapsed,
-            },
+        for tok in iter_autoregressive(model, last, self.params, random.Random(seed)):
+            yield [tok]
+
+    def _steps(self) -> Iterator[list[int]]:
+        seed = _seed_of(self.text)
+        steps = self._payload_steps(ToyModel(seed), self.prompt[-1], seed)
+        a = self.state.accept_length()
+        if a is None:
+            yield from steps
+            return
+        # A fixed accept length: step i commits floor((i+1)A) - floor(iA) tokens (>= 1, A on average).
+        buf: list[int] = []
+        i = 0
+        for step in steps:
+            buf.extend(step)
+            while True:
+                want = math.floor((i + 1) * a + 1e-9) - math.floor(i * a + 1e-9)
+                if len(buf) < want:
+                    break
+                yield buf[:want]
+                buf = buf[want:]
+                i += 1
+
+    # -- the paced stream -----------------------------------------------------------
+    def chunks(self) -> Iterator[dict[str, Any]]:
+        a = self.state.args
+        rate = a.standin_tokens_per_second if (a.standin_tokens_per_second or 0) > 0 else None
+        steps_per_s = getattr(a, "standin_verify_steps_per_second", None) or BASE_VERIFY_STEPS_PER_SECOND
+        step_s = 1.0 / steps_per_s if steps_per_s > 0 else 1.0 / BASE_VERIFY_STEPS_PER_SECOND
+        total_s = 0.0 if self.warmup else max(0.0, a.standin_generate_seconds or 0.0)
+        ttft = max(0.0, a.standin_ttft_seconds or 0.0)
+        if total_s > 0:
+            ttft = min(ttft, total_s)
+        t0 = time.monotonic()  # admitted
+        committed: list[int] = []
+        verify_ct = 0
+        first_n = 0
+        sent = 0  # tokens already sent (incremental streaming)
+        times: list[float] = []
+        due = t0 + ttft
+        steps = self._steps()
+        try:
+            while True:
+                step: list[int] = []
+                if len(committed) < self.max_new:
+                    step = next(steps)[: self.max_new - len(committed)]
+                    verify_ct += 1
+                committed.extend(step)
+                final = len(committed) >= self.max_new
+                if not times:
+                    first_n = len(committed)
+                    due = t0 + ttft
+                elif total_s > 0:
+                    left = max(1, self.max_new - first_n)
+                    due = t0 + ttft + (total_s - ttft) * (len(committed) - first_n) / left
+                elif rate is not None:
+                    due += len(step) / rate
+                else:
+                    due += step_s
+                if final and total_s > 0:
+                    due = t0 + total_s
+                _sleep_until(due)
+                now = time.monotonic()
+                self._observe_chunk(now, times, len(step))
+                times.append(now)
+                if final:
+                    self.done = True
+                out = self._out(committed, sent, final, verify_ct, now, first_n, times)
+                sent = len(committed)
+                yield out
+                if final:
+                    return
+        finally:
+            steps.close()
+            if self._slot_held:
+                self._slot_held = False
+                self.state.free_slot()
+            if not self.done and self.count_stats:
+                self.state.metrics.inc("sglang:num_aborted_requests_total", self.state.tokenizer_labels())
+
+    def _observe_chunk(self, now: float, times: list[float], n: int) -> None:
+        if not self.count_stats:
+            return
+        m, labels = self.state.metrics, self.state.tokenizer_labels()
+        if not times:
+            m.observe("sglang:time_to_first_token_seconds", {**labels, "is_streaming": _bool(self.stream)},
+                      now - self.arrival)
+        elif n > 0:
+            m.observe("sglang:inter_token_latency_seconds", labels, (now - times[-1]) / n, n)
+
+    def _out(self, committed: list[int], sent: int, final: bool, verify_ct: int, now: float, first_n: int,
+             times: list[float]) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": self.rid,
+            "finish_reason": {"type": "length", "length": self.max_new} if final else None,
+            "prompt_tokens": len(self.prompt),
+            "weight_version": "default",
+            "num_retractions": 0,
+            "reasoning_tokens": 0,
+            "completion_tokens": len(committed),
+            "cached_tokens": 0,
         }
+        ids = committed[sent:] if self.incremental else list(committed)
+        text = detokenize(committed)
+        if self.incremental:
+            text = text[len(detokenize(committed[:sent])):] if sent else text
+        if final:
+            meta.update(self._finish(committed, verify_ct, now, first_n, times))
+        return {"text": text, "output_ids": ids, "meta_info": meta}
+
+    def _finish(self, committed: list[int], verify_ct: int, now: float, first_n: int,
+                times: list[float]) -> dict[str, Any]:
+        """The last chunk's figures; the request's counters, gauges and `Decode batch` line."""
+        st = self.state
+        n = len(committed)
+        e2e = now - self.arrival
+        accept_len = (n / verify_ct) if verify_ct else 1.0
+        proposed = verify_ct * st.draft_tokens_per_step()
+        correct = max(0, n - verify_ct)
+        accept_rate = min(1.0, correct / proposed) if proposed else 0.0
+        if len(times) >= 2 and times[-1] > times[0]:
+            throughput = (n - first_n) / (times[-1] - times[0])
+        else:
+            throughput = n / max(e2e, 1e-6)
+        if self.count_stats:
+            with st.lock:
+                st.generate_count += 1
+                st.total_verify_ct += verify_ct if verify_ct else 1
+                st.total_committed += n if verify_ct else 1
+                active, queued = st.active, st.queued
+            m, tl, sl = st.metrics, st.tokenizer_labels(), st.scheduler_labels()
+            streaming = {**tl, "is_streaming": _bool(self.stream)}
+            m.inc("sglang:prompt_tokens_total", streaming, len(self.prompt))
+            m.inc("sglang:generation_tokens_total", streaming, n)
+            m.inc("sglang:num_requests_total", streaming)
+            if verify_ct:
+                m.inc("sglang:spec_verify_calls_total", tl, verify_ct)
+            m.observe("sglang:e2e_request_latency_seconds", streaming, e2e)
+            if n > 1:
+                m.observe("sglang:request_time_per_output_token_seconds", streaming, (now - times[0]) / (n - 1))
+            m.set("sglang:spec_accept_length", sl, accept_len)
+            m.set("sglang:spec_accept_rate", sl, accept_rate)
+            m.set("sglang:gen_throughput", sl, throughput)
+            # SGLang 0.5.23's line (scheduler_components/metrics_reporter.py report_decode_stats), here
+            # one per finished request
+            log(f"Decode batch, #running-req: {active}, #token: {len(self.prompt) + n}, "
+                f"token usage: 0.00, accept len: {accept_len:.2f}, accept rate: {accept_rate:.2f}, "
+                f"cuda graph: True, gen throughput (token/s): {throughput:.2f}, #queue-req: {queued}", "TP0")
+        return {
+            "e2e_latency": e2e,
+            "spec_accept_rate": accept_rate,
+            "spec_accept_length": accept_len,
+            "spec_num_correct_drafts": correct,
+            "spec_num_proposed_drafts": proposed,
+            "spec_verify_ct": verify_ct,
+            "spec_ddtree": self.used_ddtree,
+        }
+
+
+_TORCH_THREADS_SET = False
+# One DDTree step at a time: its torch calls let go of the GIL many times per step, and requests
+# stepping side by side in threads then wait for it again and again (measured: 4 concurrent
+# streams made less than half the tokens of one); steps in turn cost each just its own CPU time.
+_PAYLOAD_LOCK = threading.Lock()
+
+
+def _one_torch_thread(torch) -> None:
+    """A DDTree step works on tensors of a few hundred elements: torch's intra-op threads only cost
+    (2.5x per step measured on 2 cores), and requests run side by side in threads anyway."""
+    global _TORCH_THREADS_SET
+    if not _TORCH_THREADS_SET:
+        _TORCH_THREADS_SET = True
+        try:
+            torch.set_num_threads(1)
+        except Exception:  # noqa: BLE001 - an optimisation only
+            pass
+
+
+def _bool(flag: bool) -> str:
+    return "true" if flag else "false"
+
+
+def _sleep_until(deadline: float) -> None:
+    left = deadline - time.monotonic()
+    if left > 0:
+        time.sleep(left)

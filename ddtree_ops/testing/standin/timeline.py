@@ -1,8 +1,30 @@
-"""`run`: SGLang 0.5.23's start-up contract, phase by phase, with the fault knobs; SIGTERM ends it."""
+"""`run`: SGLang 0.5.23's start-up contract, phase by phase, with the fault knobs; SIGTERM ends it.
+
+The log, in SGLang 0.5.23's order and words (port closed until the Uvicorn lines):
+
+    server_args={...}
+    [TP0] Load weight begin. avail mem=94.50 GB                     (srt/model_executor/model_runner.py)
+    [TP0] Load weight end. elapsed=L s, type=..., avail mem=..., mem usage=61.20 GB.
+    [TP0] Load weight begin. / Load weight end. ...                  (the draft model, when there is one)
+    [TP0] Memory pool end. avail mem=... GB                          (srt/mem_cache/kv_cache_configurator.py)
+    [TP0] Capture target verify CUDA graph begin. backend=full, num_tokens_per_req=N, avail mem=... GB
+    [TP0] Capture target verify CUDA graph end. bs=[...], elapsed=C s, mem usage=... GB, avail mem=... GB.
+          ("target decode" and num_tokens_per_req=1 without speculative decoding;
+           model_runner_components/cuda_graph_setup.py capture_decode_graph)
+    Engine startup timings (s): load_weight=L, kv_cache_allocation=..., scheduler_e2e=...,
+          cuda_graph={prefill=..., decode=..., target_verify=C, ...}, tokenizer_e2e=...  (entrypoints/engine.py)
+    INFO:     Started server process [PID] ... Uvicorn running on http://H:P (Press CTRL+C to quit)
+    INFO:     127.0.0.1:... - "GET /model_info HTTP/1.1" 200      (the warm-up: /health 503 meanwhile)
+    INFO:     127.0.0.1:... - "POST /generate HTTP/1.1" 200       (http_server.py _execute_server_warmup)
+    The server is fired up and ready to roll!                       (http_server.py _wait_and_warmup)
+
+L is --standin-load-seconds, C --standin-cuda-graph-seconds; the warm-up lasts --standin-warmup-seconds
+(plus its 8-token generate)."""
 
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import signal
 import sys
@@ -23,8 +45,8 @@ from .args import (
 )
 from .logs import log, log_raw
 from .payload import find_site_packages, list_ddtree_modules, prepare_parent_packages, sha256_short
-from .server import _Server, make_server
-from .state import SGLANG_VERSION, State
+from .server import WARMUP_HEADER, _Server, make_server
+from .state import BASE_VERIFY_STEPS_PER_SECOND, GRAPH_PHASES, SGLANG_VERSION, State
 
 # Upstream 0.5.23 choices of --speculative-algorithm (for the argparse-like error).
 UPSTREAM_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM", "DFLASH")
@@ -102,6 +124,40 @@ def _crash_in_load() -> None:
     raise RuntimeError("Stand-in fault: crash during weight loading (--standin-crash-during-load)")
 
 
+def _local_url(host: str, port: int) -> str:
+    """Where the server reaches itself (its warm-up): the bound address, loopback for a wildcard."""
+    if host in ("", "0.0.0.0"):
+        host = "127.0.0.1"
+    return f"http://{host}:{port}"
+
+
+def _warmup_request(args, path: str, body: dict | None = None, timeout: float = 600.0) -> dict:
+    """One request of SGLang's warm-up (http_server.py `_execute_server_warmup`) to this server, with
+    its API key; no proxy (loopback only). A non-200 answer raises."""
+    import urllib.request
+
+    headers = {WARMUP_HEADER: "1"}
+    if args.api_key:
+        headers["Authorization"] = f"Bearer {args.api_key}"
+    data = None
+    if body is not None:
+        data = json.dumps(body).encode()
+        headers["Content-Type"] = "application/json"
+    req = urllib.request.Request(_local_url(args.host, args.port) + path, data=data, headers=headers)
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(req, timeout=timeout) as resp:
+        raw = resp.read()
+        if resp.status != 200:
+            raise AssertionError(f"res.status_code={resp.status}, res.text={raw[:200]!r}")
+        return json.loads(raw or b"{}")
+
+
+def _num_tokens_per_req(args, state: State) -> int:
+    """What SGLang's decode graph capture logs (ModelRunner.decode_num_tokens_per_req): the draft
+    tokens verified per request with speculative decoding (`State.num_draft_tokens`), else 1."""
+    return state.num_draft_tokens() if args.speculative_algorithm else 1
+
+
 def run(argv: list[str] | None = None) -> int:
     try:
         sys.stdout.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
@@ -144,6 +200,7 @@ def run(argv: list[str] | None = None) -> int:
         except ValueError:
             log(f"Ignoring DDTREE_STANDIN_LOAD_SECONDS={env_load!r}: not a number")
     load_s = max(0.0, args.standin_load_seconds)
+    t_start = time.monotonic()
 
     signal.signal(signal.SIGTERM, _on_sigterm)
     httpd: _Server | None = None
@@ -214,13 +271,39 @@ def run(argv: list[str] | None = None) -> int:
             log(f"Load weight begin. avail mem={mem - 61.2:.2f} GB", "TP0")
             log("Load weight end. elapsed=0.01 s, type=StandinToyDraftModel, "
                 f"avail mem={mem - 63.1:.2f} GB, mem usage=1.90 GB.", "TP0")
+        load_elapsed = elapsed
+        t_pool = time.monotonic()
         log(f"Memory pool end. avail mem={mem - 70.0:.2f} GB", "TP0")
-        log(f"Capture cuda graph begin. This can take up to several minutes. avail mem={mem - 70.0:.2f} GB", "TP0")
-        log(f"Capture cuda graph end. Time elapsed: 0.00 s. mem usage=0.00 GB. avail mem={mem - 70.0:.2f} GB.", "TP0")
+        kv_elapsed = time.monotonic() - t_pool
 
         state = State(args, extra, imported, site_packages)
         global _STATE
         _STATE = state
+
+        # SGLang 0.5.23 captures the decode graph (the verify graph with speculative decoding) after
+        # the memory pools: model_runner_components/cuda_graph_setup.py capture_decode_graph.
+        capture_name, graph_phase = ("target verify", "target_verify") if args.speculative_algorithm \
+            else ("target decode", "decode")
+        t_graph = time.monotonic()
+        log(f"Capture {capture_name} CUDA graph begin. backend=full, "
+            f"num_tokens_per_req={_num_tokens_per_req(args, state)}, avail mem={mem - 70.0:.2f} GB", "TP0")
+        _sleep(max(0.0, args.standin_cuda_graph_seconds))
+        graph_elapsed = time.monotonic() - t_graph
+        log(f"Capture {capture_name} CUDA graph end. bs=[1, 2, 4, 8, 12, 16, 24, 32], "
+            f"elapsed={graph_elapsed:.2f} s, mem usage=0.85 GB, avail mem={mem - 70.85:.2f} GB.", "TP0")
+        startup = {
+            "load_weight": load_elapsed,
+            "kv_cache_allocation": kv_elapsed,
+            "scheduler_e2e": time.monotonic() - t_load,
+            "cuda_graph": {p: (graph_elapsed if p == graph_phase else 0.0) for p in GRAPH_PHASES},
+            "tokenizer_e2e": time.monotonic() - t_start,
+        }
+        state.set_startup_time(startup)
+        graphs = ", ".join(f"{p}={v:.2f}" for p, v in startup["cuda_graph"].items())
+        log(f"Engine startup timings (s): load_weight={startup['load_weight']:.2f}, "
+            f"kv_cache_allocation={startup['kv_cache_allocation']:.2f}, "
+            f"scheduler_e2e={startup['scheduler_e2e']:.2f}, cuda_graph={{{graphs}}}, "
+            f"tokenizer_e2e={startup['tokenizer_e2e']:.2f}")
         if modules and state.ddtree_fns is None:
             log("DDTree functions for /generate not found in sglang.srt.speculative.ddtree_utils "
                 "(build_ddtree_tree, compile_ddtree_retrieve, tree sampling): /generate decodes "
@@ -228,6 +311,16 @@ def run(argv: list[str] | None = None) -> int:
         elif state.ddtree_fns is not None:
             log(f"/generate exercises the DDTree payload (budget={state.budget()}, "
                 f"topk_cap={state.topk_cap()}, sampler={state.ddtree_fns.sampling_name})", "TP0")
+        accept = state.accept_length()
+        rate = args.standin_tokens_per_second
+        steps = args.standin_verify_steps_per_second
+        if not steps or steps <= 0:
+            steps = BASE_VERIFY_STEPS_PER_SECOND
+        log(f"Stand-in pacing: prefill {max(0.0, args.standin_ttft_seconds):.3f} s, accept length "
+            f"{'measured by the payload' if accept is None else f'{accept:.2f}'}, decode "
+            f"{f'{rate:g} tokens/s' if rate and rate > 0 else f'{steps:g} verify steps/s'}"
+            f" per request" + (f"; each generation takes {args.standin_generate_seconds:g} s"
+                               if args.standin_generate_seconds > 0 else ""), "TP0")
 
         try:
             httpd = make_server(state)
@@ -244,16 +337,26 @@ def run(argv: list[str] | None = None) -> int:
         log_raw("INFO:     Application startup complete.")
         log_raw(f"INFO:     Uvicorn running on http://{args.host}:{args.port} (Press CTRL+C to quit)")
 
+        # SGLang's warm-up (http_server.py _wait_and_warmup / _execute_server_warmup): /model_info until
+        # it answers, one 8-token greedy /generate, then Up and "fired up"; /health is 503 meanwhile.
         t_warm = time.monotonic()
-        warm = state.generate_one("The capital city of France is", {"temperature": 0, "max_new_tokens": 8},
-                                  count_stats=False)
+        try:
+            _warmup_request(args, "/model_info", timeout=5)
+            if args.standin_warmup_never_completes:
+                log("Stand-in fault: warm-up never completes (--standin-warmup-never-completes)", "TP0")
+                while True:
+                    time.sleep(1.0)
+            _sleep(args.standin_warmup_seconds - (time.monotonic() - t_warm))
+            warm = _warmup_request(args, "/generate", {
+                "text": "The capital city of France is",
+                "sampling_params": {"temperature": 0, "max_new_tokens": 8}})
+        except _Terminate:
+            raise
+        except Exception:  # noqa: BLE001 - what SGLang does: log, kill the server
+            log(f"Initialization failed. warmup error: {traceback.format_exc()}")
+            return 1
         log(f"Warm-up generate: {warm['meta_info']['completion_tokens']} tokens, "
             f"accept len {warm['meta_info']['spec_accept_length']:.2f}", "TP0")
-        if args.standin_warmup_never_completes:
-            log("Stand-in fault: warm-up never completes (--standin-warmup-never-completes)", "TP0")
-            while True:
-                time.sleep(1.0)
-        _sleep(args.standin_warmup_seconds - (time.monotonic() - t_warm))
         state.status = "Up"
         log("The server is fired up and ready to roll!")
 
@@ -263,13 +366,16 @@ def run(argv: list[str] | None = None) -> int:
         last_said = 0.0
         while True:
             if state.gracefully_exiting:
+                # tokenizer_manager.py sigterm_watchdog: this line every 5 s, the last one with 0
                 with state.lock:
                     remaining = state.running
+                    rids = list(state.running_rids)
+                if remaining == 0 or time.monotonic() - last_said >= 5:
+                    last_said = time.monotonic()
+                    log(f"Gracefully exiting... Remaining number of requests {remaining}. "
+                        f"Remaining requests remaining_rids={rids!r}.")
                 if remaining == 0:
                     raise _Terminate()
-                if time.monotonic() - last_said >= 5:
-                    last_said = time.monotonic()
-                    log(f"Gracefully exiting... Remaining number of requests {remaining}")
             if die_at is not None and time.monotonic() >= die_at:
                 log("Stand-in fault: the server dies after it was declared healthy "
                     "(--standin-die-after-ready)", "TP0")

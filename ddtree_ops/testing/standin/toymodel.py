@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import math
 import random
-from typing import Any
+from typing import Any, Iterator
 
 from .payload import DDTreeFunctions, PayloadError
 
@@ -30,11 +30,19 @@ class ToyModel:
         rng = random.Random(seed)
         self.vocab = vocab
         self.logits = [[rng.gauss(0.0, 2.5) for _ in range(vocab)] for _ in range(vocab)]
+        self._probs: dict[tuple[int, float, int, float], list[float]] = {}
 
     def probs(self, token: int, temperature: float, top_k: int, top_p: float) -> list[float]:
         """Target distribution after temperature, top-k, top-p (as eagle_sample does);
-        greedy (temperature ~0) is a one-hot at the argmax."""
-        row = self.logits[min(max(int(token), 0), self.vocab - 1)]
+        greedy (temperature ~0) is a one-hot at the argmax. Cached: do not modify the list."""
+        key = (min(max(int(token), 0), self.vocab - 1), temperature, top_k, top_p)
+        p = self._probs.get(key)
+        if p is None:
+            p = self._probs[key] = self._compute_probs(*key)
+        return p
+
+    def _compute_probs(self, token: int, temperature: float, top_k: int, top_p: float) -> list[float]:
+        row = self.logits[token]
         if temperature <= 1e-5:
             best = max(range(self.vocab), key=row.__getitem__)
             return [1.0 if i == best else 0.0 for i in range(self.vocab)]
@@ -95,6 +103,19 @@ def generate_autoregressive(model: ToyModel, last: int, n: int, params, rng: ran
         last = _sample(model.probs(last, temperature, top_k, top_p), rng.random())
         out.append(last)
     return out
+
+
+def iter_autoregressive(model: ToyModel, last: int, params, rng: random.Random) -> Iterator[int]:
+    """`generate_autoregressive` one token at a time, without end (the caller stops)."""
+    temperature, top_k, top_p, _ = params
+    while True:
+        last = _sample(model.probs(last, temperature, top_k, top_p), rng.random())
+        yield last
+
+
+def detokenize(tokens: list[int]) -> str:
+    """The toy tokenizer's text: "tok12 tok7 ...", so a prefix of tokens gives a prefix of text."""
+    return " ".join(f"tok{t}" for t in tokens)
 
 
 def ddtree_step(fns: DDTreeFunctions, torch, model: ToyModel, last: int, params,

@@ -1,0 +1,26 @@
+"""What the operator asked of a deploy or rollback, beyond the inventory: the options every
+phase of the runbook reads (runbook.py, traffic.py)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+@dataclass
+class DeployOptions:
+    force: bool = False
+    break_tokens: tuple[str, ...] = ()  # --break-lock TOKEN: holders the operator chose to end
+    no_rollback: bool = False
+    command: str = "ddtree-ops deploy"
+    deadline_s: float | None = None
+    bundle_id: str | None = None
+    # A connection lost during a deploy: keep reconnecting this long to roll the host back.
+    reconnect_s: float = field(default_factory=lambda: float(os.environ.get("DDTREE_OPS_RECONNECT_S", "60")))
+    templates_dir: str | None = None  # a verified bundle's templates/ (default: the packaged ones)
+    perf_gate: bool | None = None  # --perf-gate/--no-perf-gate; None: the inventory's perf_gate.enabled
+    marginal: str = "fail"  # a marginal performance verdict: "accept" | "fail" | "ask" (a terminal)
+    ask: Callable[[str], bool] | None = None  # how "ask" asks (the CLI's prompt)
+    # A host not yet updated, measured with the same workload for comparison (set by the rollout).
+    peer_measure: Callable[[str], Any] | None = None

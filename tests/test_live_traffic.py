@@ -1,0 +1,191 @@
+"""Deploying under live traffic, on real sandbox hosts: a real smg router in front of them, a
+client sending generations through it the whole time, and the performance gate measuring the
+stand-in servers for real (their speed follows the release's flags and knobs)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from kit import run_cli, write_inventory
+
+DDTREE = "sglang-k26-ddtree.service"
+DFLASH = "sglang-k26-dflash-cg.service"
+
+
+class Client:
+    """Generations sent one after another through the router by `threads` threads, until stopped;
+    every answer that is not a 200 with text is a failure, kept with its reason."""
+
+    def __init__(self, url: str, threads: int = 3):
+        self.url, self.sent, self.failed = url, 0, []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)]
+
+    def _run(self, i: int) -> None:
+        body = {"text": f"request from client {i}", "sampling_params": {"max_new_tokens": 12, "temperature": 0.7}}
+        with httpx.Client(base_url=self.url, timeout=30, trust_env=False) as c:
+            while not self._stop.is_set():
+                try:
+                    r = c.post("/generate", json=body)
+                    bad = None if r.status_code == 200 and r.json().get("text") else f"{r.status_code} {r.text[:200]}"
+                except (httpx.HTTPError, ValueError) as e:
+                    bad = f"{type(e).__name__}: {e}"
+                with self._lock:
+                    self.sent += 1
+                    if bad:
+                        self.failed.append(f"{time.monotonic() - self.t0:.1f} s: {bad}")
+
+    def __enter__(self) -> Client:
+        self.t0 = time.monotonic()
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(60)
+
+
+@pytest.fixture
+def routed_fleet(sandbox, clean_hosts, tmp_path):
+    """Every sandbox host behind a real smg (round robin, its own key); the inventory's `router:`
+    names it. Yields (inventory path, environment with the key, router URL)."""
+    from ddtree_ops.testing.sandbox import smg
+
+    d = tmp_path / "router"
+    d.mkdir(mode=0o700)
+    smg.write_key(d / smg.KEY_FILE)
+    urls = [th.host.base_url for th in clean_hosts]
+    info = smg.start(d, urls, smg.free_port())
+    try:
+        smg.wait_ready(info)
+        inv = write_inventory(sandbox, tmp_path / "inventory.yaml")
+        doc = yaml.safe_load(inv.read_text())
+        doc["all"]["vars"]["router"] = {"kind": "smg", "url": info["url"], "admin_key_env": smg.ROUTER_KEY_ENV,
+                                        "timeout_s": 30}
+        doc["all"]["vars"]["health"].update(min_healthy_s=1.0, soak_interval_s=0.5)  # a soak, under traffic
+        inv.write_text(yaml.safe_dump(doc, sort_keys=False))
+        yield inv, {smg.ROUTER_KEY_ENV: smg.read_key(info["key_file"])}, info
+    finally:
+        smg.stop(info)
+
+
+def test_a_rolling_deploy_and_a_rollback_through_smg_fail_no_request(routed_fleet, good_patchset, capsys, tmp_path):
+    from ddtree_ops.testing.sandbox import smg
+
+    inv, env, info = routed_fleet
+    with Client(info["url"]) as client:
+        time.sleep(1.0)  # traffic flowing to every host before the first one leaves
+        t_dep = time.monotonic() - client.t0
+        dep = run_cli("deploy", "-i", str(inv), "-p", str(good_patchset), "--canary", "1", "--batch", "2", "--yes",
+                      "--json", "--report", str(tmp_path / "deploy.html"), env=env, timeout=600)
+        sent_deploy, failed_deploy = client.sent, len(client.failed)
+        after_deploy = run_cli("status", "-i", str(inv), "--json", env=env)
+        t_back = time.monotonic() - client.t0
+        back = run_cli("rollback", "-i", str(inv), "--batch", "2", "--yes", "--json", env=env, timeout=600)
+        time.sleep(1.0)
+    after_rollback = run_cli("status", "-i", str(inv), "--json", env=env)
+    assert dep.code == 0, dep.stderr
+    assert back.code == 0, back.stderr
+    hosts = dep.json()["hosts"]
+    assert [h["outcome"] for h in hosts] == ["deployed"] * len(hosts)
+    rows = after_deploy.json()["hosts"]  # every host ends on the one release, serving
+    assert {(r["patchset"], r["active_unit"], r["health"]) for r in rows} == {("testps-1.0.0", DDTREE, 200)}, rows
+    assert [r["release"] for r in rows] == [h["release"] for h in hosts]
+    rows = after_rollback.json()["hosts"]
+    assert {(r["release"], r["active_unit"], r["health"]) for r in rows} == {(None, DFLASH, 200)}, rows
+    assert dep.json()["batches"][0] == ["sbx1"] and len(dep.json()["batches"]) == 3
+    for h in hosts:  # each host left the router before its server stopped, and came back after its gate
+        steps = [s["step"] for s in h["steps"]]
+        assert steps.index("deregister") < steps.index("restart") < steps.index("health gate") \
+            < steps.index("register") < steps.index("soak") < steps.index("committed"), steps
+    assert [h["outcome"] for h in back.json()["hosts"]] == ["rolled_back"] * len(hosts)
+    page = (tmp_path / "deploy.html").read_text()  # the report of the real rollout: every host, its phases
+    assert all(f">{h['host']}<" in page for h in hosts) and "register" in page and "soak" in page
+    workers = smg.list_workers(info)  # every host in the router again, and only once
+    assert sorted(w["url"] for w in workers if w["status"] == "ready" and w["is_healthy"]) == sorted(info["workers"])
+    assert len(workers) == len(hosts)
+    with capsys.disabled():
+        print(f"\nzero-downtime: {client.sent} requests sent through smg during the deploy and the rollback "
+              f"({sent_deploy} during the deploy), {len(client.failed)} failed ({failed_deploy} during the deploy)")
+    assert client.sent > 50
+    assert client.failed == [], (f"deploy from {t_dep:.1f} s, rollback from {t_back:.1f} s", client.failed[:3],
+                                 client.failed[-3:], dep.stderr[-3000:], back.stderr[-3000:])
+
+
+def _gate_inventory(sandbox, path: Path, **extra) -> Path:
+    """The performance gate on, with a short deterministic workload (greedy) and loose thresholds:
+    the stand-ins share two CPU cores, so only a clear slowdown may fail."""
+    gate = {"duration_s": 2, "min_requests": 6, "concurrency": 2, "max_new_tokens": 24, "temperature": 0.0,
+            "thresholds": {"marginal_drop": 0.25, "fail_drop": 0.5, "ttft_p50_marginal": 1.0, "ttft_p50_fail": 3.0,
+                           "ttft_p99_marginal": 2.0, "ttft_p99_fail": 5.0, "itl_p50_marginal": 0.5,
+                           "itl_p50_fail": 1.0, "itl_p99_marginal": 2.0, "itl_p99_fail": 5.0}}
+    inv = write_inventory(sandbox, path, {"sbx1": extra, "sbx2": {}})
+    doc = yaml.safe_load(inv.read_text())
+    doc["all"]["vars"]["perf_gate"] = gate
+    inv.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return inv
+
+
+def test_a_release_made_slower_fails_the_gate_and_is_rolled_back_while_unchanged_speed_passes(
+        sandbox, clean_hosts, tmp_path, good_patchset):
+    sbx1, sbx2 = clean_hosts[0], clean_hosts[1]
+    base = sbx1.base_extra_args()
+    plain = _gate_inventory(sandbox, tmp_path / "plain.yaml")
+    first = run_cli("deploy", "-i", str(plain), "-l", "sbx1", "-p", str(good_patchset), "--no-perf-gate", "--yes")
+    assert first.code == 0, first.stderr
+
+    same = run_cli("deploy", "-i", str(plain), "-l", "sbx1", "-p", str(good_patchset), "--budget", "17", "--yes",
+                   "--json")
+    assert same.code == 0, same.stderr
+    gate = same.json()["hosts"][0]["perf_gate"]
+    assert gate["verdict"] == "pass" and gate["baseline"]["requests"] >= 6, gate
+
+    sbx2_pid = sbx2.main_pid(DFLASH)
+    slow = _gate_inventory(sandbox, tmp_path / "slow.yaml",
+                           extra_args=base + ["--standin-tokens-per-second", "30"])
+    pid_before = sbx1.main_pid(DDTREE)
+    r = run_cli("deploy", "-i", str(slow), "-l", "sbx1,sbx2", "--canary", "1", "-p", str(good_patchset), "--yes",
+                "--json")
+    assert r.code == 3, r.stderr
+    doc = r.json()
+    h1, h2 = doc["hosts"]
+    assert h1["outcome"] == "rolled_back" and h1["failed_step"] == "perf gate", h1
+    g = h1["perf_gate"]
+    assert g["verdict"] == "fail" and g["canary"]["output_tps"] < 0.5 * g["baseline"]["output_tps"], g
+    assert g["peers"] is not None and g["peers"]["requests"] > 0  # sbx2, not yet updated, measured side by side
+    assert "output tok/s" in h1["message"]
+    assert h2["outcome"] == "skipped" and doc["aborted"]
+    assert sbx2.main_pid(DFLASH) == sbx2_pid  # no other host touched
+    assert sbx1.unit_state(DDTREE) == "active" and sbx1.main_pid(DDTREE) != pid_before  # restored and restarted
+    hist = run_cli("history", "-i", str(slow), "--host", "sbx1", "--json").json()
+    failed = [x for x in hist["releases"] if x.get("perf_gate", {}).get("verdict") == "fail"]
+    assert failed and failed[0]["outcome"].startswith("rolled back"), hist["releases"]
+    table = run_cli("history", "-i", str(slow), "--host", "sbx1")
+    assert "fail (" in table.stdout and "pass (" in table.stdout, table.stdout
+
+
+def test_a_cuda_graph_capture_that_outlasts_its_deadline_is_caught_long_before_the_load_deadline(
+        sandbox, clean_host, tmp_path, good_patchset):
+    """The stand-in logs SGLang 0.5.23's capture lines and takes 60 s to capture; the phase's own
+    deadline (3 s) ends the wait, well inside load_deadline_s (120)."""
+    slow_capture = clean_host.base_extra_args() + ["--standin-cuda-graph-seconds", "60"]
+    th = clean_host.with_vars(tmp_path, extra_args=slow_capture, health={"cuda_graphs_deadline_s": 3})
+    t0 = time.monotonic()
+    r = run_cli("deploy", "-i", str(th.inventory), "-l", th.name, "-p", str(good_patchset), "--yes", "--json")
+    assert r.code == 3, r.stderr
+    h = r.json()["hosts"][0]
+    assert h["failed_step"] == "wait for weights" and "'cuda graphs'" in h["message"], h["message"]
+    assert "health.cuda_graphs_deadline_s" in h["message"]
+    steps = [s["step"] for s in h["steps"]]
+    assert steps.index("weights") < steps.index("rolled back"), steps  # the phase before it ended and was timed
+    assert time.monotonic() - t0 < 40
+    assert th.unit_state(DFLASH) == "active"

@@ -1,0 +1,194 @@
+"""The live-traffic phases on fake hosts (fast tier): the router (an in-memory smg control plane,
+ddtree_ops/testing/fake_router.py) and the performance gate's decisions. The measurements are
+given per serving unit here; the real workload runs against stand-in servers in the sandbox
+tests (test_live_traffic.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddtree_ops import traffic
+from ddtree_ops.deploy import deploy_host
+from ddtree_ops.errors import DeployFailed, PreflightError
+from ddtree_ops.perfgate import Measurement
+from ddtree_ops.results import Outcome
+from ddtree_ops.rollback import rollback_host
+from ddtree_ops.runbook import DeployOptions
+from ddtree_ops.testing.fake_host import DFLASH_UNIT, fake_hosts
+from ddtree_ops.testing.fake_router import FakeSmg
+
+ROUTER = {"url": "http://router.test:30000", "admin_key_env": "DDTREE_TEST_ROUTER_KEY"}
+GATE = {"duration_s": 1, "min_requests": 1}
+
+
+def m(tps: float, ttft: float = 0.05, accept: float | None = 3.0, errors: int = 0) -> Measurement:
+    n = 40
+    return Measurement(requests=n, errors=errors, output_tokens=int(tps * 10), wall_s=10.0, ttft_p50_s=ttft,
+                       ttft_p99_s=ttft * 2, itl_p50_s=0.01, itl_p99_s=0.02, accept_length=accept)
+
+
+@pytest.fixture
+def speeds(monkeypatch):
+    """Which measurement the gate gets, by the unit serving on the measured host; `calls` lists them."""
+    table: dict[str, Measurement] = {}
+    calls: list[str] = []
+
+    def install(fake):
+        def fake_measure(client, workload, **kw):
+            unit = fake.serving_unit()
+            calls.append(unit)
+            return table[unit]
+        monkeypatch.setattr(traffic, "measure", fake_measure)
+        return table
+    install.calls = calls
+    return install
+
+
+@pytest.fixture
+def routed(tmp_path, monkeypatch):
+    monkeypatch.setenv("DDTREE_TEST_ROUTER_KEY", "k-123456")
+    fake = fake_hosts(tmp_path / "h", router=ROUTER)[0]
+    fake.smg = FakeSmg([fake.host.base_url, "http://10.0.0.99:30000"], key="k-123456")
+    return fake
+
+
+def record(fake, rid: str) -> dict:
+    """The host's release record of `rid`, as `history` reads it."""
+    return next(r for r in fake.session().store.history()["releases"] if r["id"] == rid)
+
+
+def test_the_worker_leaves_the_router_before_the_old_server_stops_and_is_routed_again_after_the_gate(routed, patchset):
+    routed.smg.events = routed.events  # one timeline: the router's changes among the host's
+    r = deploy_host(routed.session(), patchset, DeployOptions(reconnect_s=5))
+    assert r.outcome == Outcome.DEPLOYED
+    ev, url = routed.events, routed.host.base_url
+    gate = max(i for i, e in enumerate(ev) if e == "http POST /generate" and i < ev.index(f"register {url}"))
+    assert ev.index(f"deregister {url}") < ev.index(f"systemctl stop {DFLASH_UNIT}")
+    assert ev.index(f"systemctl restart {routed.host.unit}") < gate < ev.index(f"register {url}")
+    assert ev.index(f"register {url}") < ev.index("agent set_current")  # routed before the commit
+    assert sorted(routed.smg.routed()) == sorted([url, "http://10.0.0.99:30000"])
+    steps = [s["step"] for s in r.steps]
+    assert steps.index("health gate") < steps.index("register") < steps.index("committed")
+
+
+def test_a_deploy_that_fails_after_leaving_the_router_puts_the_restored_server_back_in_it(routed, versioned_patchset):
+    from ddtree_ops.testing.fake_host import FAKE_CRASH
+
+    ps = versioned_patchset(marker=b"\n# " + FAKE_CRASH + b"\n")
+    with pytest.raises(DeployFailed):
+        deploy_host(routed.session(), ps, DeployOptions(reconnect_s=5))
+    url = routed.host.base_url
+    assert routed.smg.events == [f"deregister {url}", f"register {url}"]
+    assert routed.host.base_url in routed.smg.routed()
+    assert routed.units[DFLASH_UNIT].active == "active"
+
+
+def test_an_unreachable_router_or_a_missing_key_refuses_before_anything_changes(routed, patchset, monkeypatch):
+    routed.smg.down = True
+    with pytest.raises(PreflightError, match="router http://router.test:30000"):
+        deploy_host(routed.session(), patchset, DeployOptions(reconnect_s=5))
+    routed.smg.down = False
+    monkeypatch.delenv("DDTREE_TEST_ROUTER_KEY")
+    with pytest.raises(PreflightError, match="DDTREE_TEST_ROUTER_KEY"):
+        deploy_host(routed.session(), patchset, DeployOptions(reconnect_s=5))
+    assert not [e for e in routed.events if e.startswith(("agent install", "systemctl stop"))]
+    assert routed.smg.events == []
+
+
+def test_a_rollback_takes_the_worker_out_drains_and_puts_it_back(routed, patchset):
+    deploy_host(routed.session(), patchset, DeployOptions(reconnect_s=5))
+    routed.smg.events.clear()
+    r = rollback_host(routed.session(), None, DeployOptions(reconnect_s=5))
+    assert r.outcome == Outcome.ROLLED_BACK
+    url = routed.host.base_url
+    assert routed.smg.events == [f"deregister {url}", f"register {url}"]
+    assert routed.host.base_url in routed.smg.routed()
+
+
+def gated(tmp_path, **vars):
+    return fake_hosts(tmp_path / "h", perf_gate=GATE, **vars)[0]
+
+
+def test_a_slower_canary_fails_the_gate_is_rolled_back_and_the_numbers_are_kept(tmp_path, patchset, speeds):
+    fake = gated(tmp_path)
+    table = speeds(fake)
+    table[DFLASH_UNIT], table[fake.host.unit] = m(200.0), m(120.0)
+    with pytest.raises(DeployFailed) as ei:
+        deploy_host(fake.session(), patchset, DeployOptions(reconnect_s=5))
+    r = ei.value.result
+    assert r.outcome == Outcome.ROLLED_BACK and r.failed_step == "perf gate"
+    assert "output tok/s 200.0 → 120.0" in r.message and r.perf_gate["verdict"] == "fail"
+    assert fake.units[DFLASH_UNIT].active == "active"
+    rec = record(fake, r.release)
+    assert rec["perf_gate"]["verdict"] == "fail" and rec["perf_gate"]["canary"]["output_tps"] == 120.0
+    assert speeds.calls == [DFLASH_UNIT, fake.host.unit]  # baseline before the change, canary after
+
+
+def test_an_unchanged_speed_passes_and_the_verdict_is_in_the_release_record(tmp_path, patchset, speeds):
+    fake = gated(tmp_path)
+    table = speeds(fake)
+    table[DFLASH_UNIT], table[fake.host.unit] = m(200.0), m(204.0)
+    r = deploy_host(fake.session(), patchset, DeployOptions(reconnect_s=5))
+    assert r.outcome == Outcome.DEPLOYED and r.perf_gate["verdict"] == "pass"
+    assert record(fake, r.release)["perf_gate"]["baseline"]["output_tps"] == 200.0
+
+
+@pytest.mark.parametrize("marginal, answer, deployed", [
+    ("fail", None, False),
+    ("accept", None, True),
+    ("ask", True, True),
+    ("ask", False, False),
+])
+def test_a_marginal_verdict_fails_unless_accepted_or_the_operator_says_yes(tmp_path, patchset, speeds, marginal,
+                                                                           answer, deployed):
+    fake = gated(tmp_path)
+    table = speeds(fake)
+    table[DFLASH_UNIT], table[fake.host.unit] = m(200.0), m(190.0)  # −5 %: marginal (3..10 %)
+    asked: list[str] = []
+
+    def ask(q: str) -> bool:
+        asked.append(q)
+        return bool(answer)
+    opts = DeployOptions(reconnect_s=5, marginal=marginal, ask=ask)
+    if deployed:
+        assert deploy_host(fake.session(), patchset, opts).outcome == Outcome.DEPLOYED
+    else:
+        with pytest.raises(DeployFailed, match="marginal"):
+            deploy_host(fake.session(), patchset, opts)
+    assert len(asked) == (1 if marginal == "ask" else 0)
+    assert not asked or "marginal" in asked[0]
+
+
+def test_a_peer_not_yet_updated_is_measured_side_by_side_and_a_canary_slower_than_it_fails(tmp_path, patchset,
+                                                                                          speeds):
+    fake = gated(tmp_path)
+    table = speeds(fake)
+    table[DFLASH_UNIT], table[fake.host.unit] = m(200.0), m(205.0)  # as fast as its own baseline...
+    peers: list[str] = []
+
+    def peer(name: str) -> Measurement:
+        peers.append(name)
+        return m(300.0)  # ...but the fleet's present is faster
+    with pytest.raises(DeployFailed) as ei:
+        deploy_host(fake.session(), patchset, DeployOptions(reconnect_s=5, peer_measure=peer))
+    assert peers == [fake.host.name]
+    assert ei.value.result.perf_gate["peers"]["output_tps"] == 300.0
+
+
+def test_without_a_baseline_or_a_peer_the_canary_figures_are_recorded_and_the_gate_says_why_it_passed(
+        tmp_path, patchset, speeds):
+    fake = gated(tmp_path)
+    fake.units[DFLASH_UNIT].active = "inactive"  # nothing serves before the change
+    table = speeds(fake)
+    table[fake.host.unit] = m(150.0)
+    r = deploy_host(fake.session(), patchset, DeployOptions(reconnect_s=5))
+    assert r.outcome == Outcome.DEPLOYED
+    assert r.perf_gate["baseline"] is None and "no baseline" in r.perf_gate["reasons"][0]
+    assert speeds.calls == [fake.host.unit]
+
+
+def test_no_perf_gate_on_the_command_line_skips_an_inventory_gate(tmp_path, patchset, speeds):
+    fake = gated(tmp_path)
+    speeds(fake)
+    r = deploy_host(fake.session(), patchset, DeployOptions(reconnect_s=5, perf_gate=False))
+    assert r.outcome == Outcome.DEPLOYED and r.perf_gate is None and speeds.calls == []

@@ -14,12 +14,12 @@ from .health import http_client
 from .inventory import Host
 from .multinode import deploy_server, rollback_server
 from .patchset import PatchSet
-from .perfgate import Measurement, measure
 from .results import HostResult, Reporter, failed_result
 from .rollback import rollback_host
 from .rollout import Progress, Rollout, RolloutResult, Target, TargetAction, plan_batches
 from .runbook import DeployOptions
 from .session import HostSession, open_session
+from .workload import Measurement, measure
 
 HostOp = Callable[[HostSession, Reporter], HostResult]
 ServerOp = Callable[[Target, Callable[[Host], HostSession], Reporter], list[HostResult]]

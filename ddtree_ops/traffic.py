@@ -16,8 +16,9 @@ from typing import Any
 
 from .errors import RemoteCommandError, UnreachableError
 from .options import DeployOptions
-from .perfgate import GateVerdict, Measurement, Verdict, compare, measure
+from .perfgate import GateVerdict, Verdict, compare
 from .router import RouterError
+from .workload import Measurement, measure
 
 
 class TrafficPhases:

@@ -28,3 +28,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if RIG_FIXTURES & set(getattr(item, "fixturenames", ())) or item.get_closest_marker("sglang"):
             item.add_marker(pytest.mark.sandbox)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """What a test measured and reports (`record_property("measured", text)`), printed at the end
+    of the run, also from xdist workers (whose prints are not shown): the zero-downtime test's
+    requests sent and failed."""
+    lines = [f"{r.nodeid.split('::')[-1]}: {v}" for key in ("passed", "failed")
+             for r in terminalreporter.stats.get(key, []) if getattr(r, "when", "call") == "call"
+             for k, v in getattr(r, "user_properties", []) if k == "measured"]
+    if lines:
+        terminalreporter.write_sep("-", "measured by the tests")
+        for line in lines:
+            terminalreporter.write_line(line)

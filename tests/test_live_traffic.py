@@ -78,7 +78,8 @@ def routed_fleet(sandbox, clean_hosts, tmp_path):
         smg.stop(info)
 
 
-def test_a_rolling_deploy_and_a_rollback_through_smg_fail_no_request(routed_fleet, good_patchset, capsys, tmp_path):
+def test_a_rolling_deploy_and_a_rollback_through_smg_fail_no_request(routed_fleet, good_patchset, record_property,
+                                                                      tmp_path):
     from ddtree_ops.testing.sandbox import smg
 
     inv, env, info = routed_fleet
@@ -90,7 +91,8 @@ def test_a_rolling_deploy_and_a_rollback_through_smg_fail_no_request(routed_flee
         sent_deploy, failed_deploy = client.sent, len(client.failed)
         after_deploy = run_cli("status", "-i", str(inv), "--json", env=env)
         t_back = time.monotonic() - client.t0
-        back = run_cli("rollback", "-i", str(inv), "--batch", "2", "--yes", "--json", env=env, timeout=600)
+        back = run_cli("rollback", "-i", str(inv), "--batch", "2", "--yes", "--json", "--report",
+                       str(tmp_path / "rollback.html"), env=env, timeout=600)
         time.sleep(1.0)
     after_rollback = run_cli("status", "-i", str(inv), "--json", env=env)
     assert dep.code == 0, dep.stderr
@@ -110,12 +112,14 @@ def test_a_rolling_deploy_and_a_rollback_through_smg_fail_no_request(routed_flee
     assert [h["outcome"] for h in back.json()["hosts"]] == ["rolled_back"] * len(hosts)
     page = (tmp_path / "deploy.html").read_text()  # the report of the real rollout: every host, its phases
     assert all(f">{h['host']}<" in page for h in hosts) and "register" in page and "soak" in page
+    page = (tmp_path / "rollback.html").read_text()
+    assert all(f">{h['host']}<" in page for h in hosts) and "rollback" in page
     workers = smg.list_workers(info)  # every host in the router again, and only once
     assert sorted(w["url"] for w in workers if w["status"] == "ready" and w["is_healthy"]) == sorted(info["workers"])
     assert len(workers) == len(hosts)
-    with capsys.disabled():
-        print(f"\nzero-downtime: {client.sent} requests sent through smg during the deploy and the rollback "
-              f"({sent_deploy} during the deploy), {len(client.failed)} failed ({failed_deploy} during the deploy)")
+    record_property("measured", f"{client.sent} requests sent through smg during the deploy and the rollback "
+                                f"({sent_deploy} during the deploy), {len(client.failed)} failed ({failed_deploy} "
+                                f"during the deploy)")
     assert client.sent > 50
     assert client.failed == [], (f"deploy from {t_dep:.1f} s, rollback from {t_back:.1f} s", client.failed[:3],
                                  client.failed[-3:], dep.stderr[-3000:], back.stderr[-3000:])

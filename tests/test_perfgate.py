@@ -15,19 +15,14 @@ import httpx
 import pytest
 
 from ddtree_ops.errors import InputError
-from ddtree_ops.perfgate import (
+from ddtree_ops.perfgate import PerfGateSettings, Thresholds, Verdict, compare, format_rows, parse_perf_gate
+from ddtree_ops.workload import (
     DEFAULT_PROMPTS,
     ERROR_CUTOFF,
     Measurement,
-    PerfGateSettings,
-    Thresholds,
-    Verdict,
     Workload,
-    compare,
-    format_rows,
     load_prompts,
     measure,
-    parse_perf_gate,
     percentile,
     sse_events,
 )
@@ -354,7 +349,7 @@ def test_bad_prompts_files_are_refused_naming_the_line(tmp_path, name, content, 
 
 
 def test_too_long_a_prompt_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr("ddtree_ops.perfgate.PROMPT_MAX_CHARS", 10)
+    monkeypatch.setattr("ddtree_ops.workload.PROMPT_MAX_CHARS", 10)
     (tmp_path / "p.txt").write_text("short\n" + "x" * 11 + "\n")
     with pytest.raises(InputError, match=r"p.txt line 2: prompt longer than 10 characters"):
         load_prompts(str(tmp_path / "p.txt"))

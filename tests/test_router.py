@@ -25,6 +25,7 @@ from ddtree_ops.router import (
     normalize_url,
     parse_router,
 )
+from kit import wait_for
 
 KEY_ENV = "DDTREE_TEST_ROUTER_KEY"
 KEY = "k3y-that-must-never-be-printed-0123456789"
@@ -422,17 +423,6 @@ class Standin:
                 self.proc.wait(timeout=5)
 
 
-def _wait(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(0.02)
-
-
 @pytest.fixture(scope="module")
 def real_smg(tmp_path_factory):
     """A real smg (the sandbox's launcher: key from a 0600 file, fast health checks) in front of
@@ -449,7 +439,7 @@ def real_smg(tmp_path_factory):
     info = None
     try:
         for s in servers.values():
-            _wait(lambda s=s: _healthy(s.url), 30, f"stand-in {s.url}")
+            wait_for(lambda s=s: _healthy(s.url), 30, interval=0.02, what=f"stand-in {s.url}")
         smg.write_key(tmp / smg.KEY_FILE)
         assert oct((tmp / smg.KEY_FILE).stat().st_mode & 0o777) == "0o600"
         info = smg.start(tmp, [s.url for s in servers.values()], _free_port())
@@ -504,7 +494,7 @@ def test_real_smg_drain_in_flight_then_register(real_smg, monkeypatch):
         threads.append(t)
         if _wait_quiet(lambda: slow.running() >= 1, 0.5):
             break
-    _wait(lambda: slow.running() >= 1, 3, "a request in flight on the slow server")
+    wait_for(lambda: slow.running() >= 1, 3, interval=0.02, what="a request in flight on the slow server")
 
     t0 = time.monotonic()
     assert r.deregister(slow.url) is True
@@ -522,7 +512,7 @@ def test_real_smg_drain_in_flight_then_register(real_smg, monkeypatch):
     for t in threads:
         t.join(timeout=10)
     assert inflight and all(c == 200 for _, c, _ in inflight), inflight
-    _wait(lambda: fast.generates() >= before[1] + 4, 3, "the fast server's access log")
+    wait_for(lambda: fast.generates() >= before[1] + 4, 3, interval=0.02, what="the fast server's access log")
     assert slow.generates() == before[0] + 1  # the request in flight, nothing new
 
     assert r.deregister(slow.url) in (True, False)  # again: no error (still draining, or gone)
@@ -542,7 +532,7 @@ def test_real_smg_drain_in_flight_then_register(real_smg, monkeypatch):
     for t in burst:
         t.join(timeout=10)
     assert [c for _, c, _ in again] == [200] * 4, again
-    _wait(lambda: slow.generates() >= n + 1, 3, "traffic on the registered server again")
+    wait_for(lambda: slow.generates() >= n + 1, 3, interval=0.02, what="traffic on the registered server again")
 
 
 def _wait_quiet(pred, timeout: float) -> bool:

@@ -127,3 +127,25 @@ def test_the_live_view_shows_each_running_hosts_phase_with_its_own_elapsed_time(
     con = Console(record=True, width=200)
     con.print(p._table())
     assert "drain" not in con.export_text()  # a finished host has no phase
+
+
+def test_the_performance_gate_shows_in_the_rollout_table_with_its_rows_and_in_status_and_history(capsys):
+    from ddtree_ops.perfgate import compare
+    from ddtree_ops.workload import Measurement
+
+    def m(tps: float) -> Measurement:
+        return Measurement(requests=20, errors=0, output_tokens=int(tps * 10), wall_s=10.0, ttft_p50_s=0.05,
+                           ttft_p99_s=0.08, itl_p50_s=0.01, itl_p99_s=0.02, accept_length=3.1)
+    gate = compare(m(212.0), m(150.3)).as_dict()
+    res = RolloutResult("deploy", [HostResult("h1", Outcome.ROLLED_BACK, 3, failed_step="perf gate", perf_gate=gate)],
+                        [["h1"]])
+    print_rollout(res)
+    out = capsys.readouterr().out
+    assert "fail (212 → 150 tok/s)" in out  # the summary row
+    assert "h1: performance gate fail" in out and "212.0" in out and "150.3" in out and "-29.1 %" in out
+    print_status([{"host": "h1", "reachable": True, "reason": None, "release": "r1", "patchset": "p", "budget": 16,
+                   "topk_cap": 4, "drift": [], "active_unit": "u", "health": 200, "avg_accept_length": 3.1,
+                   "perf_gate": gate}])
+    print_history({"current": "r1", "releases": [{"id": "r1", "created": 0, "patchset": "p", "budget": 16,
+                                                  "topk_cap": 4, "outcome": "rolled back", "perf_gate": gate}]})
+    assert capsys.readouterr().out.count("fail (212 → 150 tok/s)") == 2

@@ -97,11 +97,12 @@ def _plain(value: Any) -> str:
 # Phases are coloured by what they do, not one colour per step name (twenty hues cannot be told
 # apart); each bar also carries its step name as a label or tooltip. Unknown names are "other".
 PHASE_GROUPS: list[tuple[str, str, tuple[str, ...]]] = [
-    ("prepare", "#4e79a7", ("preflight", "backup", "install", "daemon-reload", "launch check")),
-    ("drain & stop", "#f28e2b", ("drain", "deregister", "stop", "gpus free")),
-    ("start & load", "#9c6ade", ("restart", "weights", "cuda graphs", "warm-up", "serving")),
+    ("prepare", "#4e79a7", ("preflight", "baseline", "backup", "install", "daemon-reload", "launch check")),
+    ("drain & stop", "#f28e2b", ("drain", "deregister", "stop conflicts", "stop", "gpus free")),
+    ("start & load", "#9c6ade", ("restart", "wait for weights", "starting", "weights", "cuda graphs", "warm-up",
+                                 "serving")),
     ("gates", "#59a14f", ("health gate", "perf gate", "soak")),
-    ("commit", "#1b7a3e", ("register", "committed")),
+    ("commit", "#1b7a3e", ("register", "commit", "committed")),
     ("rollback", "#e15759", ("rolled back",)),
     ("no change", "#b0b7bf", ("unchanged",)),
 ]

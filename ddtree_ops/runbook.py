@@ -189,6 +189,8 @@ class Runbook(TrafficPhases):
         apps = holders()
         if apps is None:
             return  # no nvidia-smi: no NVIDIA GPU to wait for
+        if apps:
+            self.phase("gpus free")
         first = len(apps)
         while apps and time.monotonic() - t0 < self.host.health.gpu_free_timeout_s:
             self.session.sleep(min(self.host.health.poll_interval_s, 1.0))
@@ -286,6 +288,7 @@ class Runbook(TrafficPhases):
         for u in h.conflicts:
             if j["active_before"].get(u) in RUNNING:
                 self.drain(u)
+                self.phase("stop")
                 self._guarded(f"stop {u}", lambda u=u: self.services.stop(u))
             if j["enabled_before"].get(u) == "enabled":
                 self._guarded(f"disable {u}", lambda u=u: self.services.disable(u))

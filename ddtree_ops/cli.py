@@ -246,17 +246,13 @@ def _asker(progress):
 
     def ask(question: str) -> bool:
         with lock:
-            pause = getattr(progress, "pause", None)
-            if pause:
-                pause()
+            progress.pause()
             try:
                 return typer.confirm(question, default=False, err=True)
             except (typer.Abort, EOFError):
                 return False
             finally:
-                resume = getattr(progress, "resume", None)
-                if resume:
-                    resume()
+                progress.resume()
     return ask
 
 

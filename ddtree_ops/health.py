@@ -9,10 +9,8 @@ poll and the wait stops at once when the process is gone or replaced (a `Restart
 
 from __future__ import annotations
 
-import functools
 import math
 import os
-import ssl
 import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -24,6 +22,7 @@ from .redaction import scrub_lines
 from .router import router_secrets
 from .services import UnitProbe
 from .startup import Phase, PhaseTracker, Transition
+from .tls import tls_context
 
 
 class _Units(Protocol):
@@ -82,16 +81,7 @@ def http_client(host: Host, transport: httpx.BaseTransport | None = None) -> htt
     if key:
         headers["Authorization"] = "Bearer " + key
     return httpx.Client(base_url=host.base_url, timeout=host.health.request_timeout_s, headers=headers,
-                        trust_env=False, transport=transport, verify=_tls_context())
-
-
-@functools.lru_cache(maxsize=1)
-def _tls_context() -> ssl.SSLContext:
-    """One verifying TLS context for the whole run: httpx would build one per client, loading the
-    CA bundle each time (about 0.1 s of CPU: most of the controller's CPU in a fleet deploy)."""
-    import certifi
-
-    return ssl.create_default_context(cafile=certifi.where())
+                        trust_env=False, transport=transport, verify=tls_context())
 
 
 def health_status(client: httpx.Client, timeout: float | None = None) -> int | str:

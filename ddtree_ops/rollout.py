@@ -152,6 +152,10 @@ class Progress:
 
     def note(self, msg: str) -> None: ...
 
+    def pause(self) -> None: ...  # while the operator answers a question (nothing to redraw over it)
+
+    def resume(self) -> None: ...
+
     def stop(self) -> None: ...
 
 

@@ -37,10 +37,8 @@ worker), `register` (returns once smg lists it ready and healthy, i.e. routes to
 
 from __future__ import annotations
 
-import functools
 import os
 import re
-import ssl
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -49,7 +47,8 @@ from urllib.parse import urlsplit
 import httpx
 
 from .errors import DdtreeOpsError, InputError, shown
-from .schema import Check, Field, Invalid, apply, env_name, http_url, known_keys, matching, number_range
+from .schema import Check, Field, Invalid, env_name, http_url, mapping, matching, number_range
+from .tls import tls_context
 
 ROUTER_KINDS = ("smg",)
 DEFAULT_TIMEOUT_S = 60.0
@@ -81,7 +80,6 @@ ROUTER_FIELDS: tuple[Field, ...] = (
     Field("worker", http_url(), None),
     Field("timeout_s", number_range(1, 3600), DEFAULT_TIMEOUT_S),
 )
-_ALLOWED = ", ".join(sorted(known_keys(ROUTER_FIELDS)))
 
 
 def _settings(value: Any, default_worker: str) -> RouterSettings | None:
@@ -89,12 +87,7 @@ def _settings(value: Any, default_worker: str) -> RouterSettings | None:
     field inside the mapping ('url', 'kind', ...)."""
     if value is None:
         return None
-    if not isinstance(value, dict):
-        raise Invalid(f"must be a mapping of {_ALLOWED}, got {shown(value)}")
-    unknown = sorted(str(k) for k in set(value) - known_keys(ROUTER_FIELDS))
-    if unknown:
-        raise Invalid(f"unknown key; allowed: {_ALLOWED}", unknown[0])
-    values = apply(ROUTER_FIELDS, value)
+    values = mapping(ROUTER_FIELDS, value)
     if values["worker"] is None:
         values["worker"] = default_worker
     if normalize_url(values["worker"]) == normalize_url(values["url"]):
@@ -164,13 +157,6 @@ class WorkerEntry:
         return self.status == "draining"
 
 
-@functools.lru_cache(maxsize=1)
-def _tls_context() -> ssl.SSLContext:
-    import certifi
-
-    return ssl.create_default_context(cafile=certifi.where())
-
-
 class SmgRouter:
     """The control plane of one smg router. `transport` is the seam for httpx.MockTransport;
     `sleep`/`clock` let tests run the waits without waiting."""
@@ -215,7 +201,7 @@ class SmgRouter:
             self._http = httpx.Client(
                 base_url=self.settings.url, headers=headers, trust_env=False, transport=self._transport,
                 timeout=min(10.0, self.settings.timeout_s),
-                verify=_tls_context() if self.settings.url.startswith("https:") else True)
+                verify=tls_context() if self.settings.url.startswith("https:") else True)
         return self._http
 
     def _call(self, method: str, path: str, body: Any = None, ok: tuple[int, ...] = (200,)) -> httpx.Response:

@@ -393,16 +393,19 @@ def optional(inner: Check) -> Check:
     return lambda value, done: None if value is None else inner(value, done)
 
 
+def mapping(fields: Sequence[Field], value: Any) -> dict[str, Any]:
+    """A nested mapping (null: empty) validated by `fields`: Invalid for something else, for an
+    unknown key (naming it) and for a bad value (`apply`)."""
+    allowed = ", ".join(sorted(known_keys(fields)))
+    raw = {} if value is None else value
+    if not isinstance(raw, dict):
+        raise Invalid(f"must be a mapping of {allowed}, got {shown(value)}")
+    unknown = sorted(str(k) for k in set(raw) - known_keys(fields))
+    if unknown:
+        raise Invalid(f"unknown key; allowed: {allowed}", unknown[0])
+    return apply(fields, raw)
+
+
 def table(fields: Sequence[Field], build: Callable[..., Any]) -> Check:
     """A nested mapping validated by `fields` (null: empty); `build(**values)` makes the result."""
-    allowed = ", ".join(sorted(known_keys(fields)))
-
-    def check(value: Any, done: Mapping[str, Any]) -> Any:
-        raw = {} if value is None else value
-        if not isinstance(raw, dict):
-            raise Invalid(f"must be a mapping of {allowed}, got {shown(value)}")
-        unknown = sorted(str(k) for k in set(raw) - known_keys(fields))
-        if unknown:
-            raise Invalid(f"unknown key; allowed: {allowed}", unknown[0])
-        return build(**apply(fields, raw))
-    return check
+    return lambda value, done: build(**mapping(fields, value))

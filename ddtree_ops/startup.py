@@ -15,7 +15,7 @@ has scrolled out of the log tail. Lines that were already in the unit's log befo
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable
 
 
@@ -62,7 +62,6 @@ class PhaseTracker:
     old_lines: frozenset[str] = frozenset()  # the unit's log before the restart
     phase: Phase = Phase.STARTING
     since: float = 0.0  # elapsed seconds (of the wait) when `phase` began
-    seen: list[Transition] = field(default_factory=list)
 
     def update(self, lines: Iterable[str], elapsed: float, http_up: bool = False) -> list[Transition]:
         latest = self.phase
@@ -80,15 +79,12 @@ class PhaseTracker:
             out.append(Transition(p, elapsed - self.since if p == self.phase else 0.0))
         if latest != self.phase:
             self.phase, self.since = latest, elapsed
-        self.seen.extend(out)
         return out
 
     def finish(self, elapsed: float) -> list[Transition]:
         """/health 200: every phase up to the end of warm-up has ended."""
-        out = [Transition(p, elapsed - self.since if p == self.phase else 0.0)
-               for p in ORDER[ORDER.index(self.phase):]]
-        self.seen.extend(out)
-        return out
+        return [Transition(p, elapsed - self.since if p == self.phase else 0.0)
+                for p in ORDER[ORDER.index(self.phase):]]
 
     def in_phase(self, elapsed: float) -> float:
         return elapsed - self.since

@@ -14,7 +14,6 @@ import threading
 import time
 from typing import Any
 
-from .errors import RemoteCommandError, UnreachableError
 from .options import DeployOptions
 from .perfgate import GateVerdict, Verdict, compare
 from .router import RouterError
@@ -77,12 +76,10 @@ class TrafficPhases:
         on = self.host.perf_gate.enabled if opts.perf_gate is None else opts.perf_gate
         return bool(on) and self.health_checked
 
-    def _measure(self, what: str) -> Measurement:
-        try:
-            with self.session.http() as client:
-                return measure(client, self.host.perf_gate.workload)
-        except (RemoteCommandError, UnreachableError) as e:
-            raise self.failure(what, str(e)) from None
+    def _measure(self) -> Measurement:
+        """The gate's workload against this host's server (errors are counted, never raised)."""
+        with self.session.http() as client:
+            return measure(client, self.host.perf_gate.workload)
 
     def measure_baseline(self, opts: DeployOptions, serving: bool) -> Measurement | None:
         """The workload against the server as it is, before any change (None: nothing serves)."""
@@ -92,7 +89,7 @@ class TrafficPhases:
             self.step("baseline", "skipped: nothing serves on the host before the change")
             return None
         self.phase("baseline")
-        m = self._measure("baseline")
+        m = self._measure()
         self.step("baseline", _brief(m))
         return m
 
@@ -113,7 +110,7 @@ class TrafficPhases:
                     peer["error"] = f"{type(e).__name__}: {e}"
             t = threading.Thread(target=run_peer, name=f"peer-of-{self.host.name}", daemon=True)
             t.start()
-        canary = self._measure("perf gate")
+        canary = self._measure()
         if t is not None:
             t.join()
         peers = peer.get("m")

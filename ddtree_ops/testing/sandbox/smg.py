@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ddtree_ops.localproc import pid_alive
+from ddtree_ops.localproc import pid_alive, start_time
 
 from .errors import SandboxError
 from .system import SYSTEM_PATH
@@ -85,15 +85,6 @@ def read_key(path: Path | str) -> str:
     return Path(path).read_text().strip()
 
 
-def _start_time(pid: int) -> int | None:
-    """The process's start time (clock ticks since boot), /proc/PID/stat field 22."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return int(fh.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 def start(directory: Path, worker_urls: list[str], port: int) -> dict[str, Any]:
     """Start smg; returns its record for sandbox.json (pid and start time first, so that `down`
     can end it whatever happens next). The key file must exist."""
@@ -108,14 +99,14 @@ def start(directory: Path, worker_urls: list[str], port: int) -> dict[str, Any]:
     with open(log_file, "wb") as log:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 cwd=directory, start_new_session=True)
-    return {"pid": proc.pid, "start_time": _start_time(proc.pid), "url": f"http://127.0.0.1:{port}",
+    return {"pid": proc.pid, "start_time": start_time(proc.pid), "url": f"http://127.0.0.1:{port}",
             "port": port, "metrics_port": metrics_port, "key_file": str(key_file), "key_env": ROUTER_KEY_ENV,
             "log": str(log_file), "workers": list(worker_urls)}
 
 
 def _ours(info: dict[str, Any]) -> bool:
     pid = info.get("pid")
-    return bool(pid) and pid_alive(pid) and _start_time(pid) == info.get("start_time")
+    return bool(pid) and pid_alive(pid) and start_time(pid) == info.get("start_time")
 
 
 def _log_tail(info: dict[str, Any], n: int = 1500) -> str:

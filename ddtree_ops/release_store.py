@@ -153,7 +153,10 @@ class AgentChannel:
         err = b""
         try:
             while self._chan is not None and self._chan.recv_stderr_ready():
-                err += self._chan.recv_stderr(1 << 16)
+                chunk = self._chan.recv_stderr(1 << 16)
+                if not chunk:  # end of the stream: a channel may still call that "ready"
+                    break
+                err += chunk
         except (OSError, EOFError):
             pass
         text = err.decode(errors="replace").strip()

@@ -158,6 +158,27 @@ def test_break_lock_needs_the_holders_token_and_ends_that_holder(host, agents):
         a.call({"op": "history", "state_dir": state}, 10)
 
 
+def test_reading_a_dead_agents_error_output_ends_at_the_end_of_the_stream():
+    """A pipe at its end stays "ready" to select(): the reader must stop at an empty read, not
+    spin (it once hung a test run for 15 minutes at 100 % CPU)."""
+    ch = local_agent()
+
+    class AtEof:
+        reads = 0
+
+        def recv_stderr_ready(self) -> bool:
+            return True
+
+        def recv_stderr(self, n: int) -> bytes:
+            AtEof.reads += 1
+            if AtEof.reads > 1000:
+                raise AssertionError("still reading an ended stream")
+            return b"Traceback: boom\n" if AtEof.reads == 1 else b""
+
+    ch._chan = AtEof()
+    assert ch._stderr() == "Traceback: boom" and AtEof.reads == 2
+
+
 def test_two_breakers_with_the_same_token_cannot_both_win(host, agents):
     state = str(host["state"])
     holder, *breakers = agents(3)

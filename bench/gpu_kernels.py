@@ -9,6 +9,10 @@
     python bench/gpu_kernels.py --cpu-smoke --out /tmp/gk
     # with nvcc and tvm_ffi but no GPU: only build and load the two kernels
     python bench/gpu_kernels.py --compile-only --arch 90a --out /tmp/gk
+    # only the tree-attention steps; on a CPU with Triton, the real kernel under its
+    # interpreter (tests/payload/test_tree_attention_kernel.py runs them this way):
+    TRITON_INTERPRET=1 python bench/gpu_kernels.py --cpu-smoke --tree-attention-only \
+        --carry bench/.gpu_carry --out /tmp/gk
 
 Steps (each one recorded as ok / failed (with its error) / skipped (with why)):
 
@@ -21,6 +25,14 @@ Steps (each one recorded as ok / failed (with its error) / skipped (with why)):
    ``torch.cuda.set_sync_debug_mode("error")`` active (any host sync raises);
    the graph is replayed on fresh inputs (outputs poisoned first) and compared
    with an eager run (``torch.equal``).
+1b. ``tree_step_unit_b16`` / ``_b64``: the worker's own per-step unit
+   (``ddtree_step.DDTreeStepRunner`` over ``ddtree_verify.ddtree_tree_step``:
+   the top-k/top-p restriction, builder, retrieve, positions and the mask's
+   tree window written into a persistent buffer) captured per batch size
+   (1, 2, 4, 8) under sync-debug "error", replayed for full and padded batches
+   of mixed greedy / sampled rows and run eagerly past the largest graph; all
+   outputs and the mask window equal to the eager function's; replay vs eager
+   timed with CUDA events.
 2. ``timing``: build + retrieve at bs 32, budget 64, depth 15, vocab 151,936 via
    CUDA-graph replay timed with CUDA events, with and without the per-depth top-k
    from the logits, beside the paper's heap (``heap_build`` from
@@ -40,6 +52,29 @@ Steps (each one recorded as ok / failed (with its error) / skipped (with why)):
    ``verify_tree_greedy_reference`` on many random trees built by the payload's
    builder, with shared coins: predicts, accept_index, accept_token_num (and the
    mutated draft_probs) must be equal.
+5. ``tree_attention_<config>`` (run after ``graph_capture``): SGLang 0.5.23's own
+   triton ``extend_attention_fwd`` (``kernels/ops/attention/extend_attention.py``
+   from the wheel, carried; its ``sglang.srt.utils`` / ``sglang.srt.environ``
+   imports get small stand-ins, see ``load_extend_attention``) on DDTree verify
+   batches, called as ``TritonAttnBackend.forward_extend`` calls it in
+   TARGET_VERIFY on CUDA (``is_causal=True``, ``skip_prefix_custom_mask`` at its
+   default True, MLA's v buffer a view of the k rows) with the metadata its
+   ``init_forward_metadata`` (eager) and ``_update_target_verify_buffers``
+   (graph replay) build: MLA at 16 heads, Lq 576 / Lv 512, bf16, W = 17 and 65,
+   and a GQA MHA at W = 65; prefixes of a few thousand tokens through a random
+   ``req_to_token`` slot mapping. The mask is the backend's persistent FULL_MASK
+   buffer full of random stale bytes with only the tree window written
+   (``ddtree_write_window_mask``), or a fresh ``torch.empty`` one for a batch
+   above the graph size. Eager, and captured in CUDA graphs (batch sizes 4 and 8)
+   replayed on fresh inputs with padded rows (seq_len 1, req_pool_index 0, the
+   tree step's padding windows at prefix 0); every live row must match a float64
+   dense reference (each node: the whole prefix and its ancestors-or-self) within
+   1.5e-2 + 8e-3 |ref| (bf16). Controls that must fail: one wrong window bit (the
+   kernel must follow it exactly), the stale prefix bytes read with
+   ``skip_prefix_custom_mask=False``, a causal-chain reference. Without CUDA the
+   same harness runs on small float32 shapes with the kernel under Triton's
+   interpreter (TRITON_INTERPRET=1 and the carry) or a torch emulation, and the
+   graphs are an eager stand-in.
 
 Results: ``<out>/gpu_kernels.json`` and ``gpu_kernels.md`` (rewritten after every
 step, so a run cut short still leaves what it measured); compiler output in
@@ -67,7 +102,12 @@ import time
 import traceback
 import warnings
 
-import torch
+# Before anything is imported from the patch set (ddtree_utils by file path below, bench_payload
+# through sys.path): every file under patches/*/files ships, and the patch-set loader refuses an
+# unlisted one such as a __pycache__, whatever PYTHONDONTWRITEBYTECODE says.
+sys.dont_write_bytecode = True
+
+import torch  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAYLOAD_FILES = ROOT / "patches" / "ddtree-temp" / "files"
@@ -85,7 +125,6 @@ def _load_ddtree_utils():
 
 
 du = _load_ddtree_utils()
-sys.dont_write_bytecode = True  # no __pycache__ inside the patch set (deploy refuses unlisted files)
 sys.path.insert(0, str(PAYLOAD_FILES))
 sys.path.insert(0, str(ROOT / "bench"))
 try:  # the paper's heap; bench_payload is maintained beside this file
@@ -405,6 +444,91 @@ def step_graph_capture(device, bs, budget, cap, depth, vocab, seed):
         "shape": {"bs": bs, "budget": budget, "topk_cap": cap, "depth": depth, "vocab": vocab},
         "replays": replays,
     }
+
+
+# ---------------------------------------------------------------------------
+# Step 1b: the worker's tree-step unit (ddtree_step.DDTreeStepRunner) from graphs
+# ---------------------------------------------------------------------------
+
+
+class _EagerUnit:
+    """Without CUDA: the runner's graph interface, replaying the body eagerly."""
+
+    def capture(self, body):
+        body()
+        self.body = body
+
+    def replay(self):
+        self.body()
+
+
+def step_tree_step_unit(device, budget, cap, depth, vocab, seed, cuda: bool):
+    """The worker's per-step tree unit as it runs in the server: the real
+    ``DDTreeStepRunner`` captures ``ddtree_tree_step`` (support restriction,
+    builder, retrieve, positions, the mask's tree window written into a
+    persistent buffer) once per batch size under sync-debug "error", then
+    replays full, padded and over-size batches of mixed greedy / sampled rows;
+    every output and the mask window must equal the eager function's. On CUDA
+    the replay and the eager step are timed with CUDA events."""
+    from sglang.srt.speculative import ddtree_step, ddtree_verify
+
+    W, context, sizes, max_bs = budget + 1, 4096, [1, 2, 4, 8], 8
+    buffer = torch.zeros(max_bs * W * (context + W), dtype=torch.uint8, device=device)
+    runner = ddtree_step.DDTreeStepRunner(budget=budget, topk_cap=cap, draft_len=depth, device=device,
+                                          mask_buffer=buffer, mask_bs_limit=max_bs)
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def inputs(bs):
+        lp = torch.log_softmax(torch.randn(bs, depth, vocab, device=device, generator=gen) * 3, -1)
+        top_lp, top_ids = torch.topk(lp, cap, dim=-1)
+        top_k = torch.tensor([[1, 1 << 30, 20, 1 << 30][i % 4] for i in range(bs)], device=device)  # 1: greedy
+        top_p = torch.tensor([[1.0, 0.9, 1.0, 0.7][i % 4] for i in range(bs)], device=device)
+        bonus = torch.randint(0, vocab, (bs,), device=device, generator=gen)
+        prefix = torch.randint(1, context, (bs,), device=device, generator=gen)
+        return top_lp, top_ids, top_k, top_p, bonus, prefix
+
+    def eager(args):
+        bs = args[0].shape[0]
+        mask = torch.zeros(int(W * args[5].sum()) + bs * W * W, dtype=torch.uint8, device=device)
+        return ddtree_verify.ddtree_tree_step(*args, mask, budget, cap), mask
+
+    eager(inputs(2))  # the builder's per-shape plan, cached before any capture
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        runner.capture(sizes, ddtree_step.cuda_graph_factory() if cuda else _EagerUnit)
+    finally:
+        if cuda:
+            torch.cuda.set_sync_debug_mode(0)
+    checks = []
+    for bs in (8, 3, 1, 6, 11):
+        args = inputs(bs)
+        if cuda:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            out, mask = runner.run(*args, mask_numel=lambda a=args: int(W * a[5].sum()) + a[0].shape[0] * W * W)
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode(0)
+        want, want_mask = eager(args)
+        idx = du.ddtree_window_mask_index(args[5], W)
+        equal = {name: bool(torch.equal(a, b)) for name, a, b in zip(out._fields, out, want, strict=True)}
+        equal["mask_window"] = bool(torch.equal(mask[idx], want_mask[idx]))
+        checks.append({"bs": bs, "graph_bs": runner.graph_bs(bs), "equal": equal})
+    ok = all(all(c["equal"].values()) for c in checks)
+    res = {"status": "ok" if ok else "failed", "captured": runner.capture_bs, "checks": checks,
+           "shape": {"budget": budget, "topk_cap": cap, "depth": depth, "vocab": vocab, "context": context}}
+    if cuda:  # bs 8, inputs already on the device: the copies + replay against the eager unit
+        args = inputs(8)
+        mask = torch.zeros_like(buffer)
+        res["replay_ms"] = round(_median_events(lambda: runner.run(*args, mask_numel=lambda: 0), 50, 5)[0], 4)
+        res["eager_ms"] = round(_median_events(
+            lambda: ddtree_verify.ddtree_tree_step(*args, mask, budget, cap), 20, 5)[0], 4)
+        res["eager_over_replay"] = round(res["eager_ms"] / res["replay_ms"], 2)
+    res["summary"] = (f"captured at bs {runner.capture_bs} under sync-debug 'error'; replays (full, padded) and "
+                      f"an eager over-size batch {'equal' if ok else 'NOT equal'} to the eager unit")
+    return res
 
 
 # ---------------------------------------------------------------------------
@@ -998,6 +1122,572 @@ def step_random_compare(device, sampling_kernel, greedy_kernel, specs, seed, whi
 
 
 # ---------------------------------------------------------------------------
+# Step 5: SGLang's triton extend-attention kernel on the DDTree verify mask
+# ---------------------------------------------------------------------------
+
+# Staged by gpu_kernels_prepare.sh from the sglang 0.5.23 wheel into <carry>/sglang_py/attention,
+# loaded in this order under their own module names.
+ATTENTION_PKG = "sglang.kernels.ops.attention"
+ATTENTION_FILES = ("score_mod.py", "decode_attention.py", "extend_attention.py")
+# Everything else those files import from sglang at module level, and what stands in for it
+# here (the lent machine has no sglang): the same answers sglang/srt/utils/common.py gives on
+# an NVIDIA machine; ``envs`` is read only on ROCm paths, so the stand-in raises if reached.
+ATTENTION_STUBBED = {
+    "sglang.srt.environ": ("envs",),
+    "sglang.srt.utils": ("get_device_core_count", "is_cuda", "is_gfx95_supported",
+                         "is_gfx1250_supported", "is_hip"),
+}
+
+
+class _EnvsStandIn:
+    def __getattr__(self, name):
+        class _Var:
+            def get(self):
+                raise RuntimeError(f"sglang.srt.environ.envs.{name} read: a ROCm-only path was taken "
+                                   "(bench/gpu_kernels.py stands in for sglang.srt.environ)")
+        return _Var()
+
+
+def _utils_standin():
+    import types
+
+    m = types.ModuleType("sglang.srt.utils")
+    m.is_hip = lambda: torch.version.hip is not None
+    m.is_cuda = lambda: torch.cuda.is_available() and torch.version.cuda is not None
+
+    def not_rocm():  # is_gfx95_supported / is_gfx1250_supported: False on every non-HIP build
+        if torch.version.hip:
+            raise RuntimeError("ROCm: bench/gpu_kernels.py's sglang.srt.utils stand-in has no gcnArchName check")
+        return False
+
+    m.is_gfx95_supported = m.is_gfx1250_supported = not_rocm
+    m.get_device_core_count = lambda device_id=0: (
+        torch.cuda.get_device_properties(device_id).multi_processor_count if torch.cuda.is_available() else 0)
+    return m
+
+
+def attention_sglang_imports(folder: pathlib.Path) -> dict:
+    """``{module: names}`` that the staged files import from sglang at module level."""
+    import ast
+
+    found: dict = {}
+    for f in ATTENTION_FILES:
+        for node in ast.parse((folder / f).read_text()).body:
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sglang"):
+                found.setdefault(node.module, set()).update(a.name for a in node.names)
+            elif isinstance(node, ast.Import) and any(a.name.startswith("sglang") for a in node.names):
+                found.setdefault("import", set()).update(a.name for a in node.names)
+    return {k: sorted(v) for k, v in found.items()}
+
+
+def check_attention_imports(folder: pathlib.Path) -> None:
+    own = {f"{ATTENTION_PKG}.{f[:-3]}" for f in ATTENTION_FILES}
+    unknown = {m: names for m, names in attention_sglang_imports(folder).items()
+               if m not in own and not set(names) <= set(ATTENTION_STUBBED.get(m, ()))}
+    if unknown:
+        raise RuntimeError(f"the staged attention files import {unknown} from sglang, which "
+                           "bench/gpu_kernels.py does not stand in for: update ATTENTION_STUBBED")
+
+
+def load_extend_attention(carry: pathlib.Path):
+    """SGLang 0.5.23's ``extend_attention`` module from the carried wheel files. Their
+    ``sglang.*`` imports resolve, during the load only, to each other and to the stand-ins
+    above; ``sys.modules`` is restored afterwards (the patch set's ``sglang`` namespace, which
+    ``bench_payload`` imports, is left as it was)."""
+    import types
+
+    folder = carry / "sglang_py" / "attention"
+    missing = [f for f in ATTENTION_FILES if not (folder / f).exists()]
+    if missing:
+        raise FileNotFoundError(f"{folder} lacks {missing}: run bench/gpu_kernels_prepare.sh")
+    check_attention_imports(folder)
+    environ = types.ModuleType("sglang.srt.environ")
+    environ.envs = _EnvsStandIn()
+    temp = {"sglang.srt.environ": environ, "sglang.srt.utils": _utils_standin()}
+    for name in ("sglang.kernels", "sglang.kernels.ops", ATTENTION_PKG):
+        temp[name] = types.ModuleType(name)
+        temp[name].__path__ = [str(folder)] if name == ATTENTION_PKG else []
+    loaded = {}
+    saved = {k: sys.modules.get(k) for k in list(temp) + [f"{ATTENTION_PKG}.{f[:-3]}" for f in ATTENTION_FILES]}
+    try:
+        sys.modules.update(temp)
+        for f in ATTENTION_FILES:
+            name = f"{ATTENTION_PKG}.{f[:-3]}"
+            spec = importlib.util.spec_from_file_location(name, folder / f)
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[name] = mod
+            spec.loader.exec_module(mod)
+            loaded[f[:-3]] = mod
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v
+    return loaded["extend_attention"]
+
+
+def emulated_extend_attention(q, k, v, o, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, mask, is_causal,
+                              mask_indptr, max_len_extend, k_scale, v_scale, sm_scale, *,
+                              skip_prefix_custom_mask=True, **_unused):
+    """What ``extend_attention_fwd`` computes for a TARGET_VERIFY batch, in torch: each row
+    reads its FULL_MASK row (``mask_indptr``, rows ``prefix + n`` long), the prefix through
+    ``kv_indices`` (all of it when ``skip_prefix_custom_mask``), its own request's tokens from
+    ``k``/``v``. The CPU smoke's stand-in when neither CUDA nor Triton's interpreter runs the
+    real kernel (the tree mask is lower triangular, so the kernel's causal tile bound changes
+    nothing)."""
+    qo, kvp, mip = qo_indptr.tolist(), kv_indptr.tolist(), mask_indptr.tolist()
+    group = q.shape[1] // k.shape[1]
+    for b in range(len(qo) - 1):
+        q0, q1, k0, k1 = qo[b], qo[b + 1], kvp[b], kvp[b + 1]
+        n, p = q1 - q0, k1 - k0
+        allowed = mask[mip[b]: mip[b] + n * (p + n)].view(n, p + n) != 0
+        if skip_prefix_custom_mask:
+            allowed[:, :p] = True
+        slots = kv_indices[k0:k1]
+        keys = torch.cat([k_buf[slots], k[q0:q1]]).double() * k_scale
+        vals = torch.cat([v_buf[slots], v[q0:q1]]).double() * v_scale
+        o[q0:q1] = dense_attention(q[q0:q1].double(), keys, vals, allowed, sm_scale, group).to(o.dtype)
+
+
+def dense_attention(q, keys, vals, allowed, scale, group):
+    """q [n, H, D], keys [m, Hkv, D], vals [m, Hkv, Dv], allowed [n, m] -> [n, H, Dv]."""
+    n, h, d = q.shape
+    qg = q.view(n, h // group, group, d)
+    s = torch.einsum("ikgd,jkd->kgij", qg, keys) * scale
+    s = s.masked_fill(~allowed, float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return torch.einsum("kgij,jkd->ikgd", p, vals).reshape(n, h, vals.shape[-1])
+
+
+def tree_ancestors(parents: list) -> list:
+    """Ancestors-or-self of every node, walking the parent pointers (padding: itself)."""
+    out = []
+    for i in range(len(parents)):
+        seen, j = set(), i
+        while j >= 0 and j not in seen:
+            seen.add(j)
+            j = parents[j] if j > 0 else -1
+        out.append(seen)
+    return out
+
+
+# A row passes when |out - ref| <= atol + rtol * |ref| everywhere (float64 reference on the same
+# inputs). bf16: the kernel rounds p to bf16 before P.V (up to 2^-9 of max |v|, absolute) and
+# the output to bf16 (2^-9 relative).
+TREE_ATTN_TOL = {torch.float32: 2e-4, torch.bfloat16: 1.5e-2}  # atol
+TREE_ATTN_RTOL = {torch.float32: 1e-4, torch.bfloat16: 8e-3}
+
+
+def tree_attention_configs(smoke: bool) -> list:
+    """DeepSeek-V3 / Kimi-style MLA per TP rank (1 latent KV head, Lq 576 = 512 + 64 rope,
+    Lv 512) at W = 17 and 65, and a GQA MHA; each a verify batch through the persistent mask
+    buffer, one bigger than the graph batch (a fresh mask) and graph replays with padded
+    rows. One short prefix per batch keeps the controls' effect far above bf16 noise. The
+    smoke shapes are float32: Triton 3.8's interpreter computes bf16 ``tl.dot`` wrongly."""
+    if smoke:
+        base = {"depth": 3, "vocab": 40, "block": 4, "ctx": 96, "capture_bs": [2, 4]}
+        return [
+            {**base, "name": "mla_w9", "kind": "mla", "heads": 2, "kv_heads": 1, "dq": 576, "dv": 512,
+             "budget": 8, "cap": 3, "dtype": "float32", "eager": [[5, 29, 50], [3, 1, 5], [0]],
+             "fresh": [[23, 2, 41, 9, 17], [2, 6, 1, 4, 7], [3]],
+             "replays": [[[12, 64, 30], [5, 2, 7], [1]]]},
+            {**base, "name": "mha_gqa_w9", "kind": "mha", "heads": 4, "kv_heads": 2, "dq": 64, "dv": 64,
+             "budget": 8, "cap": 4, "dtype": "float32", "eager": [[6, 45, 3], [2, 4, 1], [2]],
+             "fresh": [[17, 3, 8, 30, 11], [6, 3, 1, 2, 5], []],
+             "replays": [[[9, 70, 33], [4, 2, 6], [0]]]},
+        ]
+    base = {"depth": 15, "vocab": 64, "block": 16, "ctx": 8192, "capture_bs": [4, 8], "dtype": "bfloat16"}
+    mla = {**base, "kind": "mla", "heads": 16, "kv_heads": 1, "dq": 576, "dv": 512}
+    eager = [[3000, 5, 1500, 4096, 2222, 777, 64, 3333], [3, 1, 5, 7, 2, 8, 4, 6], [6]]
+    fresh = [[2048, 9, 3500, 120, 5000, 2600, 1024, 4000, 700, 3100],
+             [9, 2, 10, 5, 1, 3, 8, 4, 7, 6], [2]]
+    replays = [[[4100, 7, 2500, 900, 3000, 1800, 60], [4, 8, 1, 9, 2, 6, 3], [1]],
+               [[6, 5000, 2048], [7, 3, 5], []]]
+    return [
+        {**mla, "name": "mla_h16_w17", "budget": 16, "cap": 4, "eager": eager, "fresh": fresh, "replays": replays},
+        {**mla, "name": "mla_h16_w65", "budget": 64, "cap": 8, "eager": eager, "fresh": fresh, "replays": replays},
+        {**base, "name": "mha_h8_kv2_d128_w65", "kind": "mha", "heads": 8, "kv_heads": 2, "dq": 128, "dv": 128,
+         "budget": 64, "cap": 8, "eager": eager, "fresh": fresh, "replays": replays},
+    ]
+
+
+class TreeAttnEnv:
+    """A KV pool behind a req_to_token table (a random, non-contiguous slot mapping; row 0
+    is the padding row), the triton backend's persistent buffers for a graph batch ``G``,
+    and the kernel (the real one, or the torch emulation)."""
+
+    def __init__(self, cfg, device, kernel, seed):
+        self.cfg, self.device, self.kernel = cfg, device, kernel
+        self.dtype = getattr(torch, cfg["dtype"])
+        self.W = cfg["budget"] + 1
+        self.G = max(cfg["capture_bs"])
+        self.gen = torch.Generator(device="cpu").manual_seed(seed)
+        rows = 1 + max(max(e[1]) for e in [cfg["eager"], cfg["fresh"], *cfg["replays"]])
+        width = cfg["ctx"] + self.W
+        self.rtt = (torch.randperm(rows * width, generator=self.gen) + 1).view(rows, width).to(torch.int32)
+        slots = rows * width + 1  # slot 0: where padded rows write
+        self.k_buf = self._randn(slots, cfg["kv_heads"], cfg["dq"])
+        # MLATokenToKVPool.get_value_buffer: the first kv_lora_rank columns of the same rows
+        self.v_buf = (self.k_buf[..., : cfg["dv"]] if cfg["kind"] == "mla"
+                      else self._randn(slots, cfg["kv_heads"], cfg["dv"]))
+        self.rtt = self.rtt.to(device)
+        self.scale = cfg["dq"] ** -0.5 * 1.7
+        # TritonAttnBackend.__init__: kv_indptr int32 [max_bs + 1], qo_indptr and mask_indptr
+        # int64; init_cuda_graph_state: kv_indices int64 [max_num_tokens * max_context_len],
+        # the verify mask uint8 [G * W * (context + block + W)] (FULL_MASK, ddtree-temp sizing)
+        self.kv_indptr = torch.zeros(rows + 1, dtype=torch.int32, device=device)
+        self.qo_indptr = torch.zeros(rows + 1, dtype=torch.int64, device=device)
+        self.mask_indptr = torch.zeros(rows + 1, dtype=torch.int64, device=device)
+        self.graph_kv_indices = torch.zeros(self.G * self.W * cfg["ctx"], dtype=torch.int64, device=device)
+        self.mask_buffer = torch.zeros(self.G * self.W * (cfg["ctx"] + cfg["block"] + self.W),
+                                       dtype=torch.uint8, device=device)
+
+    def _randn(self, *shape):
+        return torch.randn(*shape, generator=self.gen).to(self.dtype).to(self.device)
+
+    def garbage(self, n):
+        """Random bytes, about half of them zero."""
+        keep = torch.randint(0, 2, (n,), generator=self.gen, dtype=torch.uint8)
+        return (keep * torch.randint(1, 256, (n,), generator=self.gen, dtype=torch.uint8)).to(self.device)
+
+    def trees(self, bs, chains=()):
+        """The payload's builder on random draft logits (``ddtree_prepare_verify``'s chain);
+        requests in ``chains`` get one possible token per depth: a chain plus padding nodes."""
+        c = self.cfg
+        logits = torch.randn(bs, c["depth"], c["vocab"], generator=self.gen) * 3
+        for b in chains:
+            logits[b, :, 1:] = float("-inf")
+        top = du.draft_topk_logprobs(logits.to(self.device), min(c["cap"], c["vocab"]))
+        tree = du.build_ddtree_tree(top, c["budget"], c["cap"])
+        return tree.parents, du.ddtree_tree_mask(tree.parents, max_depth=c["depth"])
+
+    def qkv(self, n):
+        c = self.cfg
+        q = self._randn(n, c["heads"], c["dq"])
+        k = self._randn(n, c["kv_heads"], c["dq"])
+        # MLA (forward_absorb_core, non-absorbing backends): v is k_nope, k's first 512 columns
+        v = k[..., : c["dv"]].clone() if c["kind"] == "mla" else self._randn(n, c["kv_heads"], c["dv"])
+        return q, k, v
+
+    def tree_loc(self, prefix, rpi):
+        return torch.cat([self.rtt[r, p: p + self.W] for r, p in zip(rpi, prefix, strict=True)]).long()
+
+    def gather_kv_indices(self, prefix, rpi, out):
+        """The translator's passthrough pack (create_flashinfer_kv_indices_triton): each
+        request's ``req_to_token`` row up to its prefix, back to back."""
+        n = 0
+        for r, p in zip(rpi, prefix, strict=True):
+            out[n: n + p] = self.rtt[r, :p]
+            n += p
+        return out
+
+    def save_kv(self, loc, k, v):
+        """forward_extend saves the verify tokens' KV before the kernel (MLA: the 576 row)."""
+        self.k_buf[loc] = k
+        if self.cfg["kind"] != "mla":
+            self.v_buf[loc] = v
+
+    def call(self, q, k, v, o, qo, kvp, kvi, mask, mip, **over):
+        """The call TritonAttnBackend.forward_extend makes on CUDA (not ROCm) in TARGET_VERIFY:
+        is_causal=True, max_extend_len=W, unit KV scales, layer.scaling, no logit cap,
+        sliding_window_size=-1, page_size=1, skip_prefix_custom_mask left at its default."""
+        self.kernel(q, k, v, o, self.k_buf, self.v_buf, qo, kvp, kvi, mask, True, mip, self.W, 1.0, 1.0,
+                    self.scale, logit_cap=0.0, sliding_window_size=-1, sinks=None, window_kv_offsets=None,
+                    xai_temperature_len=-1, page_size=1, score_mod=None, aux_tensors=None,
+                    extend_seq_lens_cpu=None, **over)
+
+    def eager_meta(self, prefix, rpi):
+        """init_forward_metadata, TARGET_VERIFY branch."""
+        bs, W = len(prefix), self.W
+        seq = torch.tensor(prefix, device=self.device)
+        qo = torch.arange(0, (1 + bs) * W, step=W, dtype=torch.int32, device=self.device)
+        kvi = self.gather_kv_indices(prefix, rpi, torch.empty(sum(prefix) + bs * W, dtype=torch.int64,
+                                                              device=self.device))
+        kvp = self.kv_indptr[: bs + 1]
+        kvp[1:] = torch.cumsum(seq, dim=0)
+        self.mask_indptr[1: bs + 1] = torch.cumsum(W * (seq + W), dim=0)
+        return qo, kvp, kvi, self.mask_indptr[: bs + 1]
+
+    def graph_meta_update(self, gbs, prefix, rpi, fill):
+        """_update_target_verify_buffers on the runner's padded inputs (seq_lens padded with
+        get_cuda_graph_seq_len_fill_value() = 1, req_pool_indices with 0)."""
+        W, raw = self.W, len(prefix)
+        prefix = list(prefix) + [fill] * (gbs - raw)
+        rpi = list(rpi) + [0] * (gbs - raw)
+        seq = torch.tensor(prefix, device=self.device)
+        self.qo_indptr[: gbs + 1] = torch.arange(0, (1 + gbs) * W, step=W, dtype=torch.int32, device=self.device)
+        self.kv_indptr[1: gbs + 1] = torch.cumsum(seq, dim=0)
+        self.gather_kv_indices(prefix, rpi, self.graph_kv_indices)
+        self.mask_indptr[1: gbs + 1] = torch.cumsum(W * (seq + W), dim=0)
+
+    def reference(self, q, k, v, prefix, rpi, parents, *, chain=False):
+        """float64 dense attention: node i of request b sees the whole prefix (through
+        req_to_token) and its ancestors-or-self in the tree (``chain``: nodes 0..i)."""
+        W, c = self.W, self.cfg
+        out = torch.zeros(len(prefix) * W, c["heads"], c["dv"], dtype=torch.float64, device=self.device)
+        for b, (p, r) in enumerate(zip(prefix, rpi, strict=True)):
+            allowed = torch.zeros(W, p + W, dtype=torch.bool)
+            allowed[:, :p] = True
+            for i, anc in enumerate(tree_ancestors(parents[b])):
+                allowed[i, [p + j for j in (range(i + 1) if chain else sorted(anc))]] = True
+            out[b * W: (b + 1) * W] = self.reference_rows(q, k, v, b, p, r, allowed.to(self.device))
+        return out
+
+    def reference_rows(self, q, k, v, b, p, r, allowed):
+        W = self.W
+        rows = slice(b * W, (b + 1) * W)
+        slots = self.rtt[r, :p].long()
+        keys = torch.cat([self.k_buf[slots], k[rows]]).double()
+        vals = torch.cat([self.v_buf[slots], v[rows]]).double()
+        return dense_attention(q[rows].double(), keys, vals, allowed, self.scale,
+                               self.cfg["heads"] // self.cfg["kv_heads"])
+
+
+def _row_err(out, ref):
+    """Per row: how far |out - ref| exceeds rtol * |ref| (rtol by ``out``'s dtype), at most;
+    a row passes at <= atol."""
+    n = ref.shape[0]
+    diff = (out.reshape(-1, ref.shape[1], ref.shape[2])[:n].double() - ref).abs()
+    return (diff - TREE_ATTN_RTOL[out.dtype] * ref.abs()).clamp(min=0).amax(dim=(1, 2))
+
+
+def tree_attention_eager(env, prefix, rpi, chains, mask_kind):
+    """One verify batch outside a graph: the tree window written into the persistent buffer
+    (``fresh``: into a new ``torch.empty`` bool mask, the worker's path for batches the buffer
+    cannot hold) over random stale bytes, then the kernel with the eager metadata."""
+    W, bs = env.W, len(prefix)
+    parents, tree_mask = env.trees(bs, chains)
+    if mask_kind == "buffer":
+        mask = env.mask_buffer
+        mask.copy_(env.garbage(mask.numel()))
+    else:
+        mask = torch.empty(W * sum(prefix) + bs * W * W, dtype=torch.bool, device=env.device)
+        mask.view(torch.uint8).copy_(env.garbage(mask.numel()))
+    seq = torch.tensor(prefix, device=env.device)
+    du.ddtree_write_window_mask(mask, tree_mask, seq)
+    q, k, v = env.qkv(bs * W)
+    loc = env.tree_loc(prefix, rpi)
+    env.save_kv(loc, k, v)
+    meta = env.eager_meta(prefix, rpi)
+    o = torch.zeros(bs * W, env.cfg["heads"], env.cfg["dv"], dtype=env.dtype, device=env.device)
+    qo, kvp, kvi, mip = meta
+    env.call(q, k, v, o, qo, kvp, kvi, mask, mip)
+    ref = env.reference(q, k, v, prefix, rpi, parents.tolist())
+    return {"q": q, "k": k, "v": v, "o": o, "ref": ref, "mask": mask, "meta": meta, "seq": seq,
+            "prefix": prefix, "rpi": rpi, "parents": parents.tolist(), "tree_mask": tree_mask,
+            "err": _row_err(o, ref)}
+
+
+def _rerun(env, run, mask=None, **over):
+    o = torch.zeros_like(run["o"])
+    qo, kvp, kvi, mip = run["meta"]
+    env.call(run["q"], run["k"], run["v"], o, qo, kvp, kvi, run["mask"] if mask is None else mask, mip, **over)
+    return o
+
+
+def _wrong_bit_candidates(run, limit=64):
+    """(request, node, column) triples: a real node i and a j < i that is not its ancestor,
+    shortest prefixes first (there one key moves the output most)."""
+    out = []
+    for b in sorted(range(len(run["prefix"])), key=lambda b: (run["prefix"][b], b)):
+        par = run["parents"][b]
+        anc = tree_ancestors(par)
+        out += [(b, i, j) for i in range(1, len(par)) if par[i] >= 0 for j in range(i) if j not in anc[i]]
+        if out:
+            return out[:limit]
+    return out
+
+
+def control_wrong_bit(env, run, tol):
+    """Flip one window bit a real node reads (of the candidates, the one that moves the
+    reference most): the kernel must follow that bit exactly (equal to the reference
+    recomputed with it) and so miss the true reference at that row."""
+    W = env.W
+    best = None
+    for b, i, j in _wrong_bit_candidates(run):
+        p, r = run["prefix"][b], run["rpi"][b]
+        allowed = torch.zeros(W, p + W, dtype=torch.bool)
+        allowed[:, :p] = True
+        for n, a in enumerate(tree_ancestors(run["parents"][b])):
+            allowed[n, [p + x for x in a]] = True
+        allowed[i, p + j] = True
+        moved = env.reference_rows(run["q"], run["k"], run["v"], b, p, r, allowed.to(env.device))
+        delta = float((moved[i] - run["ref"][b * W + i]).abs().max())
+        if best is None or delta > best[0]:
+            best = (delta, b, i, j, moved)
+    if best is None:
+        return {"ok": False, "why": "no node with a non-ancestor before it"}
+    delta, b, i, j, moved = best
+    flat = du.ddtree_window_mask_index(run["seq"], W)[b, i, j]
+    old = run["mask"].view(-1)[flat].clone()
+    run["mask"].view(-1)[flat] = 1
+    try:
+        o = _rerun(env, run)
+    finally:
+        run["mask"].view(-1)[flat] = old
+    flipped_ref = run["ref"].clone()
+    flipped_ref[b * W: (b + 1) * W] = moved
+    err_true = float(_row_err(o, run["ref"])[b * W + i])
+    err_flipped = float(_row_err(o, flipped_ref).max())
+    return {"ok": err_true > 5 * tol and err_flipped <= tol, "request": b, "node": i, "col": j,
+            "row_err_vs_true_reference": err_true, "max_err_vs_flipped_reference": err_flipped,
+            "reference_delta": delta}
+
+
+def control_prefix_mask(env, run, tol):
+    """The prefix columns hold random stale bytes: with ``skip_prefix_custom_mask=False``
+    the kernel would read them (and miss the reference), while a FULL_MASK whose prefix
+    columns are all set (``ddtree_full_mask``) gives the reference either way, which also
+    proves the window sits where the kernel reads it."""
+    # uint8 like the buffer: the same kernel specialisations (fewer compiles on the GPU)
+    full = du.ddtree_full_mask(run["tree_mask"], run["seq"], sum(run["prefix"])).to(torch.uint8)
+    garbage_read = _rerun(env, run, skip_prefix_custom_mask=False)
+    err_garbage = float(_row_err(garbage_read, run["ref"]).max())
+    err_full_read = float(_row_err(_rerun(env, run, mask=full, skip_prefix_custom_mask=False), run["ref"]).max())
+    err_full = float(_row_err(_rerun(env, run, mask=full), run["ref"]).max())
+    return {"ok": err_garbage > 5 * tol and err_full_read <= tol and err_full <= tol,
+            "garbage_prefix_read_max_err": err_garbage, "full_mask_prefix_read_max_err": err_full_read,
+            "full_mask_default_max_err": err_full}
+
+
+def control_chain(env, run, tol):
+    """The trees are not chains: a causal-chain reference misses the kernel."""
+    chain = env.reference(run["q"], run["k"], run["v"], run["prefix"], run["rpi"], run["parents"], chain=True)
+    err = float(_row_err(run["o"], chain).max())
+    return {"ok": err > 5 * tol, "max_err_vs_chain_reference": err}
+
+
+def tree_stats(parents) -> dict:
+    return {"padding_nodes": [sum(1 for x in row[1:] if x < 0) for row in parents],
+            "distinct_trees": len({tuple(row) for row in parents})}
+
+
+class _EagerGraph:
+    """CPU stand-in for a captured graph: ``replay()`` runs the body again over the same
+    static tensors (the smoke checks the replay logic; that the captured kernels follow the
+    updated buffers is what only the GPU run proves)."""
+
+    def __init__(self, body):
+        self.replay = body
+
+
+class TreeAttnGraph:
+    """The verify kernel as the decode CUDA-graph runner replays it: one graph per captured
+    batch size over static inputs (q, k, v, out_cache_loc) and the backend's persistent
+    metadata; metadata updated in place outside the graph, as init_forward_metadata_out_graph
+    does before each replay."""
+
+    def __init__(self, env):
+        self.env, self.graphs, self.fill = env, {}, 1
+        c, n = env.cfg, env.G * env.W
+        self.q, self.k, self.v = env.qkv(n)
+        self.o = torch.zeros(n, c["heads"], c["dv"], dtype=env.dtype, device=env.device)
+        self.loc = torch.zeros(n, dtype=torch.int64, device=env.device)
+
+    def body(self, bs):
+        env, n = self.env, bs * self.env.W
+        env.save_kv(self.loc[:n], self.k[:n], self.v[:n])
+        env.call(self.q[:n], self.k[:n], self.v[:n], self.o[:n], env.qo_indptr[: bs + 1], env.kv_indptr[: bs + 1],
+                 env.graph_kv_indices, env.mask_buffer, env.mask_indptr[: bs + 1])
+
+    def capture(self, bs):
+        env = self.env
+        env.graph_meta_update(bs, [], [], self.fill)
+        if env.device.type != "cuda":
+            self.body(bs)
+            self.graphs[bs] = _EagerGraph(lambda: self.body(bs))
+            return
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            self.body(bs)  # compiles the kernel; a warm-up, as the runner does before capture
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            self.body(bs)
+        torch.cuda.synchronize()
+        self.graphs[bs] = g
+
+    def replay(self, prefix, rpi, chains, tol):
+        env, W, raw = self.env, self.env.W, len(prefix)
+        gbs = min(b for b in self.graphs if b >= raw)
+        # stale bytes everywhere, then the tree step's writes (DDTreeStepRunner): the live
+        # windows and, for the padding rows, windows at prefix 0
+        env.mask_buffer.copy_(env.garbage(env.mask_buffer.numel()))
+        parents, tree_mask = env.trees(gbs, chains)
+        du.ddtree_write_window_mask(env.mask_buffer, tree_mask,
+                                    torch.tensor(list(prefix) + [0] * (gbs - raw), device=env.device))
+        q, k, v = env.qkv(gbs * W)  # fresh inputs; the padded rows' are as arbitrary
+        for static, new in ((self.q, q), (self.k, k), (self.v, v)):
+            static[: gbs * W].copy_(new)
+        self.loc.zero_()
+        self.loc[: raw * W] = env.tree_loc(prefix, rpi)
+        env.graph_meta_update(gbs, prefix, rpi, self.fill)
+        self.o.fill_(float("nan"))  # the replay must write every row it owns
+        self.graphs[gbs].replay()
+        if env.device.type == "cuda":
+            torch.cuda.synchronize()
+        ref = env.reference(q, k, v, prefix, rpi, parents.tolist()[:raw])
+        err = float(_row_err(self.o, ref).max())
+        pad = self.o[raw * W: gbs * W]
+        return {"raw_bs": raw, "graph_bs": gbs, "prefix": list(prefix), "max_err": err,
+                "padded_rows_finite": bool(torch.isfinite(pad).all()),
+                "ok": err <= tol and bool(torch.isfinite(pad).all()),
+                **tree_stats(parents.tolist()[:raw])}
+
+
+def step_tree_attention(cfg, device, kernel, seed):
+    """``kernel``: (function, name, its module or None), from :func:`tree_attention_kernel`."""
+    fn, kernel_name, module = kernel
+    env = TreeAttnEnv(cfg, device, fn, seed)
+    tol = TREE_ATTN_TOL[env.dtype]
+    out = {"config": {k: v for k, v in cfg.items() if k not in ("eager", "fresh", "replays")},
+           "W": env.W, "kernel": kernel_name, "tolerance": {"atol": tol, "rtol": TREE_ATTN_RTOL[env.dtype]}}
+    if module is not None:  # (BLOCK_DMODEL, BLOCK_DPE, BLOCK_DV, BLOCK_M, BLOCK_N, num_warps) here
+        out["block_sizes"] = list(module._get_block_sizes_for_extend_attention(cfg["dq"], cfg["dv"]))
+    for kind in ("buffer", "fresh"):
+        prefix, rpi, chains = cfg["eager" if kind == "buffer" else "fresh"]
+        run = tree_attention_eager(env, prefix, rpi, chains, kind)
+        out[f"eager_{kind}_mask"] = {"bs": len(prefix), "max_err": float(run["err"].max()),
+                                     "ok": float(run["err"].max()) <= tol, **tree_stats(run["parents"])}
+        if kind == "buffer":  # now: the next batch rewrites the shared metadata and KV slots
+            out["controls"] = {"wrong_bit": control_wrong_bit(env, run, tol),
+                               "prefix_mask": control_prefix_mask(env, run, tol),
+                               "chain": control_chain(env, run, tol)}
+            stats = tree_stats(run["parents"])
+            out["trees_irregular"] = {"ok": stats["distinct_trees"] > 1 and any(stats["padding_nodes"]), **stats}
+    g = TreeAttnGraph(env)
+    for bs in sorted(cfg["capture_bs"], reverse=True):
+        g.capture(bs)
+    out["graph_replays_kind"] = "CUDA graphs" if device.type == "cuda" else "eager stand-in (no CUDA)"
+    out["graph_replays"] = [g.replay(p, r, ch, tol) for p, r, ch in cfg["replays"]]
+    checks = [out["eager_buffer_mask"]["ok"], out["eager_fresh_mask"]["ok"], out["trees_irregular"]["ok"],
+              *(c["ok"] for c in out["controls"].values()), *(r["ok"] for r in out["graph_replays"])]
+    out["status"] = "ok" if all(checks) else "failed"
+    worst = max([out["eager_buffer_mask"]["max_err"], out["eager_fresh_mask"]["max_err"]]
+                + [r["max_err"] for r in out["graph_replays"]])
+    caught = all(c["ok"] for c in out["controls"].values())
+    rtol = TREE_ATTN_RTOL[env.dtype]
+    out["summary"] = (f"{cfg['name']} W={env.W} {cfg['dtype']} [{kernel_name}]: max err {worst:.2e} "
+                      f"(|out - ref| - {rtol} |ref|; atol {tol}) over eager (buffer and fresh mask) and "
+                      f"{len(out['graph_replays'])} padded replays ({out['graph_replays_kind']}); "
+                      f"controls {'caught' if caught else 'NOT caught'}")
+    return out
+
+
+def tree_attention_kernel(carry: pathlib.Path, cuda: bool):
+    """(function, name, module): SGLang's kernel from the carry on CUDA, or under Triton's
+    interpreter (TRITON_INTERPRET=1) on the CPU; otherwise the torch emulation."""
+    if cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        ea = load_extend_attention(carry)
+        name = "sglang 0.5.23 extend_attention_fwd" + ("" if cuda else " (Triton interpreter)")
+        return ea.extend_attention_fwd, name, ea
+    return emulated_extend_attention, "torch emulation (no CUDA, no TRITON_INTERPRET=1)", None
+
+
+# ---------------------------------------------------------------------------
 # Builder sanity on any device (the CPU smoke's computed part)
 # ---------------------------------------------------------------------------
 
@@ -1095,6 +1785,9 @@ def main(argv=None):
     ap.add_argument("--compile-only", action="store_true",
                     help="only build (and load) the two JIT modules for --arch (default 90a); needs nvcc "
                          "and tvm_ffi, no GPU; writes gpu_kernels_compile.json")
+    ap.add_argument("--tree-attention-only", action="store_true",
+                    help="only the tree_attention_* steps (with --cpu-smoke and TRITON_INTERPRET=1: the real "
+                         "kernel from --carry under Triton's interpreter, small shapes)")
     args = ap.parse_args(argv)
 
     t_start = time.monotonic()
@@ -1143,10 +1836,19 @@ def main(argv=None):
         except Exception as exc:  # noqa: BLE001 - recorded, never hidden
             build_start_error = f"{type(exc).__name__}: {exc}"
 
+    if args.tree_attention_only:
+        run_tree_attention_steps(rec, args, device, cuda)
+        return finish(rec, meta, t_start)
     rec.run("builder_eager", lambda: step_builder_eager(device, bs, budget, cap, depth, vocab, args.seed))
     rec.run("reference_test_vector", lambda: step_test_vector(torch.device("cpu"), None, seed=args.seed))
     rec.run("graph_capture", lambda: step_graph_capture(device, bs, budget, cap, depth, vocab, args.seed),
             skip=None if cuda else SKIP_NO_CUDA)
+    for unit_budget, unit_cap in ((16, 4), (64, 8)):  # CT200's tree, the default budget
+        rec.run(f"tree_step_unit_b{unit_budget}",
+                lambda b=unit_budget, k=unit_cap: step_tree_step_unit(
+                    device, b, k, depth, vocab if cuda else 64, args.seed, cuda),
+                min_time_s=15)
+    run_tree_attention_steps(rec, args, device, cuda)
     rec.run("timing", lambda: step_timing(rec, device, configs, args.seed, reps, args.repeats, not cuda),
             min_time_s=20)
 
@@ -1209,6 +1911,25 @@ def main(argv=None):
         rec.run("kernel_greedy_vs_reference",
                 lambda: step_random_compare(device, None, None, specs, args.seed, "greedy"))
 
+    return finish(rec, meta, t_start)
+
+
+def run_tree_attention_steps(rec: Recorder, args, device, cuda: bool) -> None:
+    """One step per configuration (tree_attention_<name>); the kernel is loaded once."""
+    state = {}
+
+    def load():
+        if "kernel" not in state:
+            state["kernel"] = tree_attention_kernel(pathlib.Path(args.carry), cuda)
+        return state["kernel"]
+
+    for i, cfg in enumerate(tree_attention_configs(smoke=not cuda)):
+        rec.run(f"tree_attention_{cfg['name']}",
+                lambda cfg=cfg, i=i: step_tree_attention(cfg, device, load(), args.seed + 100 + i),
+                min_time_s=0 if not cuda else 45)
+
+
+def finish(rec: Recorder, meta: dict, t_start: float) -> int:
     meta["total_wall_s"] = round(time.monotonic() - t_start, 1)
     rec.write()
     print("\n" + render_markdown({"meta": meta, "steps": rec.steps}), flush=True)

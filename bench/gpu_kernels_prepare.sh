@@ -13,6 +13,11 @@
 #   sglang_jit/csrc/speculative/ sglang 0.5.23 wheel: sampling.cuh, tree.cuh (the two kernels' sources)
 #   sglang_py/                   sglang 0.5.23 wheel: kernels/ops/speculative/{sampling,tree}.py (how
 #                                SGLang names and instantiates them; read, not run)
+#   sglang_py/attention/         sglang 0.5.23 wheel: kernels/ops/attention/{extend_attention,
+#                                decode_attention,score_mod}.py, the triton verify-attention kernel and
+#                                the two files it imports (run by gpu_kernels.py's tree_attention steps;
+#                                its other sglang imports, sglang.srt.utils / sglang.srt.environ, get
+#                                small stand-ins there: checked below that nothing else is imported)
 #   flashinfer/include/          flashinfer-python 0.7.2 wheel (sglang 0.5.23's pin): data/include,
 #                                the headers sampling.cuh includes (flashinfer/sampling.cuh ...)
 #   apache_tvm_ffi-0.1.11-*.whl  for the device's Python 3.12 (abi3) and 3.11; pip picks one
@@ -59,7 +64,7 @@ rm -rf "$CARRY"
 mkdir -p "$CARRY"
 cp "$TVM_DIR"/apache_tvm_ffi-"$TVM_FFI_VERSION"-*.whl "$CARRY"/
 
-"$PY" - "$SG_WHL" "$FI_WHL" "$CARRY" "$SGLANG_VERSION" "$FLASHINFER_VERSION" "$TVM_FFI_VERSION" <<'PYEOF'
+"$PY" - "$SG_WHL" "$FI_WHL" "$CARRY" "$SGLANG_VERSION" "$FLASHINFER_VERSION" "$TVM_FFI_VERSION" "$ROOT" <<'PYEOF'
 import hashlib, json, pathlib, sys, zipfile
 
 sg_whl, fi_whl, carry, sg_v, fi_v, tvm_v = sys.argv[1:7]
@@ -91,6 +96,8 @@ extract(sg_whl, "sglang/kernels/jit/include/", "sglang_jit/include")
 extract(sg_whl, "sglang/kernels/jit/csrc/speculative/", "sglang_jit/csrc/speculative",
         only={"sampling.cuh", "tree.cuh"})
 extract(sg_whl, "sglang/kernels/ops/speculative/", "sglang_py", only={"sampling.py", "tree.py"})
+extract(sg_whl, "sglang/kernels/ops/attention/", "sglang_py/attention",
+        only={"extend_attention.py", "decode_attention.py", "score_mod.py"})
 extract(fi_whl, "flashinfer/data/include/", "flashinfer/include")
 
 # The wrappers gpu_kernels.py generates must be the ones this wheel asks for.
@@ -110,6 +117,23 @@ for fname, needles in expect.items():
     missing = [x for x in needles if x not in text]
     if missing:
         sys.exit(f"gpu_kernels_prepare: {fname} of the wheel changed; gpu_kernels.py expects {missing}")
+
+# The verify-attention kernel as gpu_kernels.py calls it, and only the sglang imports it stands in for.
+extend_py = (carry / "sglang_py" / "attention" / "extend_attention.py").read_text()
+for needle in ("def extend_attention_fwd(", "skip_prefix_custom_mask=True,", "def _fwd_kernel("):
+    if needle not in extend_py:
+        sys.exit(f"gpu_kernels_prepare: extend_attention.py of the wheel changed; gpu_kernels.py expects {needle!r}")
+sys.dont_write_bytecode = True
+import importlib.util
+spec = importlib.util.spec_from_file_location("gpu_kernels_imports", pathlib.Path(sys.argv[7]) / "bench" / "gpu_kernels.py")
+try:
+    gk = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gk)
+    gk.check_attention_imports(carry / "sglang_py" / "attention")
+except ModuleNotFoundError as exc:  # no torch in this interpreter: say so, the device run checks again
+    print(f"gpu_kernels_prepare: attention imports not checked here ({exc})")
+except RuntimeError as exc:
+    sys.exit(f"gpu_kernels_prepare: {exc}")
 
 
 def sha(p):

@@ -41,11 +41,12 @@ def site_packages() -> pathlib.Path:
     return pathlib.Path(out.stdout.strip())
 
 
-def build_overlay(dest: pathlib.Path) -> pathlib.Path:
-    """A symlink mirror of site-packages/sglang with the patch set's files swapped in."""
+def build_overlay(dest: pathlib.Path, patch_dir: pathlib.Path = PATCH_DIR) -> pathlib.Path:
+    """A symlink mirror of site-packages/sglang with the patch set's files swapped in
+    (``patch_dir``: another version of the patch set, e.g. for a before/after benchmark)."""
     site = site_packages()
-    manifest = yaml.safe_load((PATCH_DIR / "manifest.yaml").read_text())
-    patched = {pathlib.PurePosixPath(f["path"]): PATCH_DIR / "files" / f["path"]
+    manifest = yaml.safe_load((patch_dir / "manifest.yaml").read_text())
+    patched = {pathlib.PurePosixPath(f["path"]): patch_dir / "files" / f["path"]
                for f in manifest["files"]}
     split = {p for path in patched for p in path.parents if str(p) != "."}
 

@@ -27,7 +27,9 @@ Sizes, and how each is read (real SGLang functions unless stated):
 * the DFlash sampling pre-warm batch: ``_prewarm_batch_size`` of the class
   ``create_worker`` returns (``DFlashWorkerV2``; ``DDTreeWorkerV2`` under DDTREE), on an
   instance made with ``object.__new__`` carrying only that fake runner (and, for
-  DDTree, its real ``DDTreeConfig``).
+  DDTree, its real ``DDTreeConfig``);
+* the warm-up / autotune dummy verify input: ``create_dummy_verify_input`` for the
+  target and the draft runner (its width and whether it takes the mask buffer).
 """
 
 from __future__ import annotations
@@ -62,6 +64,10 @@ DDTREE_CASES = {
                      "--speculative-ddtree-topk-cap", str(min(4, b))]
     for b in (64, 7, 256)
 }
+# CT200's shape: graphs up to batch 8, while up to max-running-requests (48) run eagerly
+DDTREE_CASES["ddtree_b16_graph8"] = ["--speculative-algorithm", "DDTREE", "--speculative-ddtree-budget",
+                                     "16", "--speculative-ddtree-topk-cap", "4",
+                                     "--cuda-graph-max-bs-decode", "8"]
 
 SIZES = r'''
 import os
@@ -82,7 +88,7 @@ from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.server_args import prepare_server_args
 from sglang.srt.speculative import dflash_info_v2
 from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
-from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm, create_dummy_verify_input
 
 
 class FakeRunner:
@@ -96,7 +102,8 @@ class FakeRunner:
         self.spec_algorithm = algo
         self.is_draft_worker = is_draft
         self.req_to_token_pool = types.SimpleNamespace(size=FAKE_POOL_ROWS)
-        self.max_running_requests = server_args.max_running_requests
+        # resolved, as the real runner has it (DFLASH's hook declares 48 when unset)
+        self.max_running_requests = rc.get_schedule().max_running_requests
 
     def decode_graph_gather_requirements(self):
         return (False, False)
@@ -137,7 +144,7 @@ def sizes(args):
         "num_steps": spec.speculative_num_steps,
         "eagle_topk": spec.speculative_eagle_topk,
         "page_size": rc.get_schedule().page_size,
-        "max_running_requests": server_args.max_running_requests,
+        "max_running_requests": rc.get_schedule().max_running_requests,
         "cuda_graph_decode_bs": sorted(rc.get_exec().graph.cuda_graph_config.decode.bs),
         "max_speculative_num_draft_tokens": rc.max_speculative_num_draft_tokens(),
         "resolve_max_speculative_num_draft_tokens":
@@ -170,6 +177,16 @@ def sizes(args):
                 worker.ddtree_config = ddtree_worker.DDTreeConfig.from_server_args(server_args)
         out["worker_cls"] = cls.__name__
         out["prewarm_batch_size"] = cls._prewarm_batch_size(worker, n)
+        mask = torch.ones(8, dtype=torch.bool)
+        for role, is_draft in (("target", False), ("draft", True)):
+            width = algo.get_num_tokens_per_req_for_target_verify(mx, is_draft)
+            try:
+                si = create_dummy_verify_input(algo, mask, width, is_draft)
+            except RuntimeError as e:
+                out["dummy_" + role] = "raises: " + str(e)
+            else:
+                out["dummy_" + role] = None if si is None else [
+                    type(si).__name__, si.draft_token_num, si.custom_mask is mask]
     return out
 
 
@@ -217,6 +234,7 @@ def test_upstream_cases_cover_what_they_claim(pristine):
     assert pristine["dflash"]["num_draft_tokens"] == 16
     assert pristine["dflash"]["dflash_decode_reserve"] == 32
     assert pristine["dflash"]["worker_cls"] == "DFlashWorkerV2"
+    assert pristine["dflash"]["dummy_target"] == ["DFlashVerifyInput", 16, False]
     assert pristine["ngram"]["algorithm"] == "NGRAM"
     assert pristine["standalone"]["algorithm"] == "STANDALONE"
 
@@ -249,9 +267,21 @@ def test_ddtree_sizes_formulas(patched, budget):
     assert bs == max_capture_bs(dflash)
     assert s["logits_rows_target"] == bs * W
     assert s["logits_rows_draft"] == bs * block == dflash["logits_rows_target"]
-    mrr = s["max_running_requests"]
     assert s["worker_cls"] == "DDTreeWorkerV2"
-    assert s["prewarm_batch_size"] == min(s["logits_rows_target"] // W, mrr or 1 << 30) == bs
+    # every decode batch, graph or eager, is at most max-running-requests (DFLASH's 48)
+    assert s["prewarm_batch_size"] == s["max_running_requests"] == 48
+    # warm-up and autotune verify W tokens per request through the mask, as serving does
+    assert s["dummy_target"] == ["DFlashVerifyInput", W, True]
+    assert s["dummy_draft"] == dflash["dummy_draft"] == ["DFlashVerifyInput", block, False]
+
+
+def test_ddtree_prewarms_the_largest_eager_batch_not_the_graph_batch(patched):
+    """CT200's shape: graphs up to 8 requests, eager batches up to 48; the sampled
+    verify is rehearsed at 48 (2.0: at the graph batch, 8)."""
+    s = patched["ddtree_b16_graph8"]
+    assert s["cuda_graph_decode_bs"][-1] == 8 and s["logits_rows_target"] == 8 * 17
+    assert s["max_running_requests"] == 48
+    assert s["prewarm_batch_size"] == 48 != s["logits_rows_target"] // 17
 
 
 def test_ddtree_b64_numbers(patched):

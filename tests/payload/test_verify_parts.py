@@ -124,8 +124,19 @@ def test_tree_shape_follows_budget_and_block(dw, budget, block, depth):
 
 def test_model_refusals_name_every_reason(dw):
     assert dw.model_refusals(mamba=False, selector=False, domino=False, quantized_head_tp=False) == []
-    why = dw.model_refusals(mamba=True, selector=True, domino=True, quantized_head_tp=True)
-    assert len(why) == 4 and any("mamba" in w for w in why) and any("TP > 1" in w for w in why)
+    why = dw.model_refusals(mamba=True, selector=True, domino=True, quantized_head_tp=True,
+                            verify_backend="FlashInferAttnBackend", hip=True)
+    assert len(why) == 6 and any("mamba" in w for w in why) and any("TP > 1" in w for w in why)
+    assert any("FlashInferAttnBackend" in w and "--attention-backend triton" in w for w in why)
+    assert any("ROCm" in w for w in why)
+
+
+def test_the_verify_backend_is_the_hybrid_backends_prefill_side_unless_decode_mode(dw):
+    hybrid = SimpleNamespace(prefill_backend="P", decode_backend="D")
+    assert dw.verify_attention_backend(hybrid, "prefill") == "P"
+    assert dw.verify_attention_backend(hybrid, None) == "P"
+    assert dw.verify_attention_backend(hybrid, "decode") == "D"
+    assert dw.verify_attention_backend("T", "decode") == "T"
 
 
 def _args(**kw):

@@ -230,7 +230,9 @@ def run_chain(*, budget, cap, block, prefixes, steps, mutation=None):
             row = int(fb.req_pool_indices[b])
             for i in range(W):
                 chain = sorted((j for j in range(W) if anc[i, j]), key=lambda j: depth[j])
-                seq = context(row, m[i, :p]) + [toks[c] for c in chain]
+                # every node sees the whole prefix: the worker writes only the mask's
+                # tree window (the kernel never reads the prefix part)
+                seq = context(row, torch.ones(p, dtype=torch.bool)) + [toks[c] for c in chain]
                 pos = int(fb.positions[b * W + i])
                 logits[b * W + i, toy_next(seq, pos)] = 3.0
                 for layer in range(L):

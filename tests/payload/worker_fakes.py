@@ -58,6 +58,7 @@ follow the walk the committed tokens take (:func:`walk_tokens`).
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import math
@@ -149,6 +150,47 @@ def draft_topk(bonus: int, prefix: int, block: int, k: int):
     return out
 
 
+def sampling_of(params: dict):
+    """(temperature, top_k, top_p) as SamplingParams normalises them: a
+    temperature below 1e-6 is greedy (temperature 1, top-k 1); no top-k = all."""
+    t = float(params.get("temperature", 1.0))
+    if t < 1e-6:
+        return 1.0, 1, 1.0
+    k = int(params.get("top_k", -1))
+    return t, (V if k <= 0 else min(k, V)), float(params.get("top_p", 1.0))
+
+
+def tempered_topk(bonus: int, prefix: int, block: int, k: int, params: dict):
+    """The draft candidates the tree of a request with sampling ``params`` is
+    built from (float64, independent of the payload): per depth, the draft's
+    top-``k`` tokens scored by their log-probability under the draft at the
+    request's temperature, restricted to its top-k then top-p support and
+    renormalised, as SGLang's verify restricts the target; tokens outside the
+    support dropped. Where the candidates cannot decide the normaliser (a top-k
+    above ``k``, a nucleus still open after them), the documented bound is used:
+    the full-vocabulary mass, and ``top_p``. Greedy requests: :func:`draft_topk`."""
+    temp, top_k, top_p = sampling_of(params)
+    if top_k == 1:
+        return draft_topk(bonus, prefix, block, k)
+    w = lm_head_weight()
+    out = []
+    for d in range(1, block):
+        probs = torch.softmax((draft_hidden(bonus, prefix + d) @ w.T) / temp, dim=-1)
+        order = torch.argsort(probs, descending=True).tolist()
+        p = [float(probs[t]) for t in order]
+        kept_k = p[:top_k] if top_k <= k else p
+        z_k = sum(kept_k)
+        cands, before = [], 0.0
+        for t, q in zip(order[: min(k, top_k)], p[: min(k, top_k)], strict=True):
+            if before >= top_p:
+                break
+            cands.append((t, q / z_k))
+            before += q / z_k
+        z_p = sum(q for _, q in cands) if before >= top_p or len(cands) == top_k else top_p
+        out.append([(t, math.log(q / z_p)) for t, q in cands])
+    return out
+
+
 def reference_tree(top, budget: int, max_depth: int):
     """The best ``budget`` prefixes (score = sum of log-probs), best first:
     a heap over (first child, next sibling) moves, as the DDTree paper."""
@@ -181,13 +223,17 @@ def make_plan(top, ranks):
     return plan
 
 
-def expected_step(root: int, plan, nodes, max_depth: int):
+def expected_step(root: int, plan, nodes, max_depth: int, banned=()):
     """Greedy tree walk of the toy target over the reference tree:
-    committed tokens, accepted node ids (0 = root), their paths."""
+    committed tokens, accepted node ids (0 = root), their paths. ``banned``
+    tokens (a custom logit processor's) are never chosen: the greedy token is
+    then the first one of the flat rest of the row (argmax's first maximum)."""
     index = {p: i + 1 for i, p in enumerate(nodes)}
     cur, out, ids, paths = (), [], [0], [()]
     while True:
         t = target_next(plan, root, cur)
+        if t in banned:
+            t = next(x for x in range(V) if x not in banned)
         out.append(t)
         nxt = cur + (t,)
         if len(cur) < max_depth and nxt in index:
@@ -264,7 +310,7 @@ def stream_recorded(t: torch.Tensor) -> StreamRecordedTensor:
     return out
 
 
-def _setup_runtime(budget: int, cap: int, block: int, model: str):
+def _setup_runtime(budget: int, cap: int, block: int, model: str, extra_args=()):
     from sglang.srt.runtime_context import reset_context
     from sglang.srt.server_args import prepare_server_args
     from sglang.test.parallel_groups import (
@@ -278,7 +324,7 @@ def _setup_runtime(budget: int, cap: int, block: int, model: str):
         "--speculative-algorithm", "DDTREE",
         "--speculative-ddtree-budget", str(budget),
         "--speculative-ddtree-topk-cap", str(cap),
-        "--speculative-num-draft-tokens", str(block),
+        "--speculative-num-draft-tokens", str(block), *extra_args,
     ])
     reset_context()
     publish(args, role="scheduler")
@@ -411,6 +457,112 @@ def _patch_sampling(mutation: str | None, renorm: str, kernel_calls: dict):
     eagle_utils.tree_speculative_sampling_target_only = tree_sampling
 
 
+def _grammar_probe(log: list):
+    """``GrammarTree.from_device`` and ``build_grammar_vocab_mask`` replaced by
+    recorders (returns the undo). The real tree still makes its host copy."""
+    from sglang.srt.speculative import spec_utils
+
+    real_tree, real_build = spec_utils.GrammarTree, spec_utils.build_grammar_vocab_mask
+
+    class ProbeTree(real_tree):
+        @classmethod
+        def from_device(cls, next_token, next_sibling, draft_token):
+            log.append(["tree_copied", next_token.tolist(), next_sibling.tolist(), draft_token.tolist()])
+            return super().from_device(next_token, next_sibling, draft_token)
+
+    def build(*, reqs, tree, sampling_info, device, barrier):
+        log.append(["mask_built"] + [t.tolist() for t in tree.resolve()])
+
+    spec_utils.GrammarTree, spec_utils.build_grammar_vocab_mask = ProbeTree, build
+
+    def undo():
+        spec_utils.GrammarTree, spec_utils.build_grammar_vocab_mask = real_tree, real_build
+
+    return undo
+
+
+def _worker_cls(mutation: str | None, grammar_log=None):
+    """The worker class, rebuilt (it binds its SGLang imports when built) with
+    the mutation's replacement (and the grammar probe) in place."""
+    from sglang.srt.layers import sampler
+    from sglang.srt.speculative import ddtree_worker
+
+    undo_probe = _grammar_probe(grammar_log) if grammar_log is not None else (lambda: None)
+    real = sampler.apply_custom_logit_processor
+    if mutation == "processor_roots_only":
+        def roots_only(logits, info, num_tokens_in_batch=1):
+            roots = logits.view(len(info), num_tokens_in_batch, -1)[:, 0]
+            real(roots, info, num_tokens_in_batch=1)
+
+        sampler.apply_custom_logit_processor = roots_only
+    elif mutation not in (None, "no_mask_capture"):
+        raise ValueError(mutation)
+    ddtree_worker._WORKER_CLS = None
+    try:
+        cls = ddtree_worker.get_ddtree_worker_cls()
+    finally:
+        sampler.apply_custom_logit_processor = real
+        undo_probe()
+    if mutation == "no_mask_capture":
+        cls = type("NoMaskCapture", (cls,), {"ddtree_capture_sampling_mask": lambda self, *a: None})
+    return cls
+
+
+def profiled_step(worker, step):
+    """Run ``step`` under torch's profiler with the worker's tree work (the
+    draft top-k and the verify input: everything between the draft forward and
+    the target verify) marked, and count its launches."""
+    from launch_count import REGION, count_launches, mark_triton_launches
+
+    def marked(method):
+        def run(*args, **kwargs):
+            with torch.profiler.record_function(REGION):
+                return method(*args, **kwargs)
+        return run
+
+    worker.ddtree_draft_topk = marked(worker.ddtree_draft_topk)
+    worker.ddtree_verify_input = marked(worker.ddtree_verify_input)
+    undo = mark_triton_launches()
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            result = step()
+    finally:
+        undo()
+    return result, count_launches(prof)
+
+
+def scheduler_sampling_masks(reqs, result):
+    """What the scheduler makes of a step's sampling masks: its own
+    ``materialize_sampling_mask_output`` and ``add_sampling_mask_return_values``
+    (the call that raised ``TypeError`` when a decode step built no capture),
+    each request's committed tokens appended first, as the result processor
+    does. Per ``return_sampling_mask`` request: ``{"masks", "logprobs"}`` (its
+    queued rows), or ``{"error"}`` with what the scheduler raised."""
+    from sglang.srt.managers.scheduler_components.batch_result_processor import (
+        SchedulerBatchResultProcessor as Processor,
+    )
+
+    if not any(r.return_sampling_mask for r in reqs):
+        return None
+    out = result.logits_output
+    lens = result.accept_lens.tolist()
+    toks = result.next_token_ids.view(len(reqs), -1).tolist()
+    rows = {}
+    try:
+        Processor.materialize_sampling_mask_output(reqs, out)
+        proc = SimpleNamespace(_visible_output_len=lambda req: len(req.output_ids))
+        for i, r in enumerate(reqs):
+            if not r.return_sampling_mask:
+                continue
+            r.output_ids.extend(toks[i][: lens[i]])
+            Processor.add_sampling_mask_return_values(proc, i, r, out, accept_len=lens[i])
+            masks, logprobs = r.sampling_mask_rows.take().to_lists(support_logprobs=False)
+            rows[i] = {"masks": masks, "logprobs": logprobs}
+    except Exception as exc:  # the pre-2.1 crash, reported to the test instead
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return rows
+
+
 def make_pools(*, rows, slots, context, head_dim, target_layers, dev):
     """The real 0.5.23 pools a decode step touches (page size 1, float32): req_to_token, the
     target and draft KV pools, the token allocator and both KV index translators."""
@@ -493,7 +645,10 @@ def make_worker(cls, *, cfg, block, mask_id, dev, lm_weight, embed, model_config
 
 def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
              host_mirror: bool, return_logprob: bool = False, no_kv_move: bool = False,
-             sampling=None, bonus=None, mutation: str | None = None, renorm: str = "torch") -> dict:
+             sampling=None, bonus=None, mutation: str | None = None, renorm: str = "torch",
+             req_kwargs=None, extra_args=(), worker_mutation: str | None = None,
+             grammar_probe: bool = False, verify_mask_bs: int = 0, graph_bs=(),
+             profile: bool = False) -> dict:
     """Build pools, batch and worker, run one ``ddtree_decode``; return what the
     test checks (plain lists) and the reference's expectations.
 
@@ -504,8 +659,26 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
     ``mutation`` / ``renorm`` passed on) and ``expect`` describes the walk the committed
     tokens take through the reference tree (:func:`walk_tokens`; the greedy
     reference walk stays in ``expect["greedy_out"]``). ``bonus``: per-request
-    root tokens (default: a formula of the request index)."""
-    _setup_runtime(budget, cap, block, model)
+    root tokens (default: a formula of the request index). ``req_kwargs``: per
+    request, extra ``Req`` keywords (``return_sampling_mask``,
+    ``custom_logit_processor``); a request whose sampling ``custom_params`` name
+    ``token_ids`` (the real ``DisallowedTokensLogitsProcessor``'s parameter)
+    expects a greedy walk that never takes them. ``extra_args``: more server
+    arguments (``--enable-custom-logit-processor``). ``worker_mutation``
+    (controls): ``"no_mask_capture"`` skips the sampling-mask capture (the 2.0
+    step), ``"processor_roots_only"`` applies custom logit processors to each
+    request's root row only. ``grammar_probe``: the batch has a grammar; the
+    tree's host copy, the verify and the bitmask build are logged in order
+    (``result["grammar_log"]``; the bitmask builder is a recorder that resolves
+    the host tree and applies no mask). ``verify_mask_bs``: the attention
+    backend owns a persistent verify-mask buffer for that many requests (as
+    the triton backend does under CUDA graphs); ``graph_bs``: the tree step is
+    "captured" for those batch sizes with :class:`launch_count.ReplayedCall`;
+    ``profile``: the step runs under torch's profiler and
+    ``result["launches"]`` counts the tree work's launches
+    (``launch_count.count_launches``)."""
+    _setup_runtime(budget, cap, block, model, extra_args)
+    req_kwargs = [dict(k) for k in req_kwargs] if req_kwargs is not None else [{} for _ in prefixes]
     _patch_kernels(no_kv_move)
     bs = len(prefixes)
     sampling = [dict(s) for s in sampling] if sampling is not None else [{} for _ in range(bs)]
@@ -537,13 +710,14 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
     from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
     from sglang.srt.sampling.sampling_params import SamplingParams
     from sglang.srt.speculative.ddtree_kv import ddtree_decode_reserve
-    from sglang.srt.speculative.ddtree_worker import DDTreeConfig, get_ddtree_worker_cls
+    from sglang.srt.speculative.ddtree_worker import DDTreeConfig
     from sglang.srt.speculative.draft_worker_common import (
         make_draft_input_v2,
     )
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    cls = get_ddtree_worker_cls()
+    grammar_log = [] if grammar_probe else None
+    cls = _worker_cls(worker_mutation, grammar_log)
     cfg = DDTreeConfig(budget, cap, block)
     W, D = cfg.verify_width, cfg.max_depth
     dev = "cpu"
@@ -556,14 +730,16 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
     min_gap = math.inf
     memo = {}
     for b in range(bs):
-        key = (bonus[b], prefixes[b])
+        key = (bonus[b], prefixes[b], sampling_of(sampling[b]))
         if key not in memo:  # identical requests: one reference tree
             top = draft_topk(bonus[b], prefixes[b], block, cap)
-            memo[key] = (top,) + reference_tree(top, budget, D)
+            scored = tempered_topk(bonus[b], prefixes[b], block, cap, sampling[b])
+            memo[key] = (top,) + reference_tree(scored, budget, D)
         top, nodes, gap = memo[key]
         min_gap = min(min_gap, gap)
         plan = make_plan(top, ranks[b])
-        out, ids, paths = expected_step(bonus[b], plan, nodes, D)
+        banned = set(sampling[b].get("custom_params", {}).get("token_ids", ()))
+        out, ids, paths = expected_step(bonus[b], plan, nodes, D, banned if req_kwargs[b] else ())
         tops.append(top)
         trees.append(nodes)
         plans.append(plan)
@@ -586,7 +762,7 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
         params = {"temperature": 0.0, "max_new_tokens": 64}
         params.update(sampling[i] if i < bs else {})
         r = Req(f"r{i}", "", array("i", [(3 * i + j) % (V - 1) for j in range(n)]),
-                SamplingParams(**params), vocab_size=V)
+                SamplingParams(**params), vocab_size=V, **(req_kwargs[i] if i < bs else {}))
         reqs.append(r)
     rows = req_pool.alloc(list(reversed(reqs)))  # rows in an order unrelated to the batch
     rows = list(reversed(rows))
@@ -613,6 +789,10 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
     req_to_token = req_pool.req_to_token
 
     draft_input = make_draft_input_v2(bonus_tokens=torch.tensor(bonus), new_seq_lens=prefix_t)
+    # what DFlashDraftInputV2.prepare_for_decode derives from the requests every step
+    top_ks = [int(r.sampling_params.top_k) for r in batch_reqs]
+    draft_input.max_top_k = max(max(top_ks), 1)
+    draft_input.uniform_top_k_value = top_ks[0] if len(set(top_ks)) == 1 else None
     if not host_mirror:  # overlap scheduling: only the reservation is on the host
         draft_input.nxt_kv_lens_cpu = torch.tensor([n + reserve for n in prefixes], dtype=torch.int32)
         draft_input.nxt_kv_lens_sum = int(draft_input.nxt_kv_lens_cpu.sum())
@@ -626,19 +806,28 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
         return_logprob=return_logprob,
     )
     batch.sampling_info = SamplingBatchInfo.from_schedule_batch(batch, V)
+    batch.has_grammar = grammar_probe
 
     # -- fakes ------------------------------------------------------------------
     weight = lm_head_weight().float()
     embed = embed_table().float()
     calls = {"target": [], "draft": [], "attn_init": [], "append": [], "publish": []}
-    node_logits = [[] for _ in range(bs)]  # per request: [path, logits] of its depth <= 1 nodes
+    # per request: [path, logits] of its depth <= 1 nodes (every node for sampling-mask requests)
+    node_logits = [[] for _ in range(bs)]
     model_config = SimpleNamespace(context_len=CONTEXT, vocab_size=V, model_is_mrope=False,
                                    hidden_size=H, is_matryoshka=False,
                                    requires_mm_token_modalities=False)
 
     class AttnBackend:
+        verify_mask = None
+
         def init_forward_metadata(self, fb):
             calls["attn_init"].append(fb)
+
+    if verify_mask_bs:  # FULL_MASK rows for the longest context a step can start at
+        AttnBackend.verify_mask = SimpleNamespace(
+            buffer=torch.zeros(verify_mask_bs * W * (CONTEXT + block + W), dtype=torch.uint8),
+            max_bs=verify_mask_bs)
 
     def window(b, width):
         p = prefixes[b]
@@ -651,6 +840,10 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
         assert not calls["target"], "target forward called twice"
         calls["target"].append(kw)
         assert calls["attn_init"] and calls["attn_init"][-1] is fb, "attention metadata not planned"
+        if grammar_log is not None:
+            si = fb.spec_info
+            grammar_log.append(["verify", si.retrieve_next_token.tolist(), si.retrieve_next_sibling.tolist(),
+                                si.draft_token.view(bs, W).tolist()])
         assert fb.batch_size == bs and fb.input_ids.shape == (bs * W,), fb.input_ids.shape
         assert isinstance(fb.spec_info, cls.DDTreeVerifyInput), type(fb.spec_info)
         assert fb.spec_info.draft_token_num == W and fb.spec_info.max_tree_depth == D + 1
@@ -660,13 +853,17 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
         assert torch.equal(fb.seq_lens_cpu.long(), host), (fb.seq_lens_cpu, host)
         assert fb.seq_lens_sum == int(host.sum())
         mask = fb.spec_info.custom_mask
-        assert mask is not None and mask.dtype == torch.bool
+        # bool (a fresh mask) or uint8 (the triton backend's buffer): one byte per entry
+        assert mask is not None and mask.dtype in (torch.bool, torch.uint8), mask.dtype
         # FULL_MASK sized from the host bound of the prefixes (exact when mirrored,
         # else the reservation capped at the context: no device->host sync); the
         # blocks sit at offsets from the exact device lengths, the tail is unused.
         bound = prefixes if host_mirror else [
             min(int(n), CONTEXT) for n in draft_input.nxt_kv_lens_cpu]
-        assert mask.numel() == sum(W * (n + W) for n in bound), (mask.numel(), bound, W)
+        if AttnBackend.verify_mask is not None and bs <= verify_mask_bs:
+            assert mask is AttnBackend.verify_mask.buffer, "the backend's buffer, written in place"
+        else:
+            assert mask.numel() == sum(W * (n + W) for n in bound), (mask.numel(), bound, W)
         assert torch.equal(fb.positions, fb.spec_info.positions)
         assert torch.equal(fb.input_ids, fb.spec_info.draft_token)
         logits = torch.full((bs * W, V), -2.0)
@@ -681,17 +878,24 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
             assert translator_write_ids(fb)[b * W:(b + 1) * W].tolist() == loc.tolist()
             m = mask[off:off + W * (p + W)].view(W, p + W)
             off += W * (p + W)
-            assert bool(m[:, :p].all()), "every node attends to the whole prefix"
-            anc = m[:, p:]
+            # only the tree window is written: the kernel never reads the prefix part
+            # (every node sees the whole prefix; test_tree_attention_kernel proves it)
+            anc = m[:, p:].bool()
             toks = fb.input_ids[b * W:(b + 1) * W].tolist()
             depth = (anc.sum(dim=1) - 1).tolist()
             for i in range(W):
                 chain = sorted((j for j in range(W) if anc[i, j]), key=lambda j: depth[j])
-                assert chain[0] == 0 and chain[-1] == i and all(
-                    depth[c] == n for n, c in enumerate(chain)), (b, i, chain)
-                path = tuple(toks[c] for c in chain[1:])
                 assert toks[0] == bonus[b], "root is the bonus token"
-                if i:  # node i is the reference's i-th best prefix
+                if i > len(trees[b]):
+                    # padding (fewer prefixes than the budget): sees only itself,
+                    # carries the root's token and position, is never linked
+                    assert chain == [i] and toks[i] == bonus[b], (b, i, chain, toks[i])
+                    path = ()
+                else:
+                    assert chain[0] == 0 and chain[-1] == i and all(
+                        depth[c] == n for n, c in enumerate(chain)), (b, i, chain)
+                    path = tuple(toks[c] for c in chain[1:])
+                if 0 < i <= len(trees[b]):  # node i is the reference's i-th best prefix
                     assert path == trees[b][i - 1], (b, i, path, trees[b][i - 1])
                 assert int(fb.positions[b * W + i]) == p + depth[i], "positions = prefix + depth"
                 code = path_code(bonus[b], path)
@@ -699,7 +903,7 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
                     logits[b * W + i] = torch.tensor(spread_logits(tops[b], bonus[b], path, D))
                 else:
                     logits[b * W + i, target_next(plans[b], bonus[b], path)] = 3.0
-                if depth[i] <= 1:
+                if depth[i] <= 1 or req_kwargs[b].get("return_sampling_mask"):
                     node_logits[b].append([list(path), logits[b * W + i].tolist()])
                 hidden[b * W + i] = torch.tensor(target_hidden(code, depth[i], b))
                 for layer in range(TARGET_LAYERS):
@@ -756,8 +960,18 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
         append_draft_kv=append_draft_kv,
     )
 
+    if graph_bs:
+        from launch_count import ReplayedCall
+
+        worker.ddtree_tree_runner().capture(graph_bs, ReplayedCall)
     seq_lens_in = batch.seq_lens
-    result = worker.forward_batch_generation(batch, on_publish=lambda n: calls["publish"].append(n.tolist()))
+    step = functools.partial(worker.forward_batch_generation, batch,
+                             on_publish=lambda n: calls["publish"].append(n.tolist()))
+    launches = None
+    if profile:
+        result, launches = profiled_step(worker, step)
+    else:
+        result = step()
 
     walk_valid = None
     if any(spread):  # the expected walk is the one the committed tokens describe
@@ -780,7 +994,7 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
     exp_v = [t.clone() for t in kv_before[1]]
     for b in range(bs):
         loc = window(b, W).tolist()
-        node_paths = [()] + list(trees[b])
+        node_paths = [()] + list(trees[b]) + [()] * (W - 1 - len(trees[b]))  # padding: the root's
         moves = [(loc[i], node_paths[i]) for i in range(W)]
         moves += [(loc[k], tuple(p)) for k, p in enumerate(expect["paths"][b])]
         for slot, path in moves:
@@ -788,6 +1002,7 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
                 k, v = kv_marker(path_code(bonus[b], path), layer, len(path))
                 exp_k[layer][slot, 0] = torch.tensor(k)
                 exp_v[layer][slot, 0] = torch.tensor(v)
+    sampling_mask = scheduler_sampling_masks(batch_reqs, result)
     lp = result.logits_output.next_token_logprobs
     nd = result.next_draft_input
     kv_k = [kv_pool.k_buffer[i][:, 0].tolist() for i in range(TARGET_LAYERS)]
@@ -812,6 +1027,11 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
             "node_logits": node_logits,
             "kernels": kernel_calls,
             "is_all_greedy": bool(batch.sampling_info.is_all_greedy),
+            "sampling_mask": sampling_mask,
+            "grammar_log": grammar_log,
+            "launches": launches,
+            "graph_bs": list(worker.ddtree_tree_runner().capture_bs)
+            if hasattr(worker, "ddtree_tree_runner") else None,  # 2.0 had no tree unit
         },
         "calls": {
             "target": len(calls["target"]), "target_kwargs": [sorted(k) for k in calls["target"]],
@@ -821,6 +1041,7 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
         "expect": {
             "out": expect["out"], "ids": expect["ids"],
             "codes": [[path_code(bonus[b], p) for p in expect["paths"][b]] for b in range(bs)],
+            "paths": [[list(p) for p in expect["paths"][b]] for b in range(bs)],
             "depths": [[len(p) for p in expect["paths"][b]] for b in range(bs)],
             "bonus": bonus, "min_score_gap": min_gap, "plans": plans,
             "trees": [[list(p) for p in t] for t in trees],

@@ -6,6 +6,10 @@ Stdlib only. Called from ``ServerArgs.__post_init__`` (patched server_args.py):
 every option the tree verify cannot serve is refused here, at parse time, with
 a message naming the option and what to use instead. A server that starts
 with DDTREE therefore always verifies trees; there is no silent fallback.
+Requests asking for what the tree step does not apply (min_p, penalties,
+min_new_tokens, hidden states) are refused at admission with a message for the
+client (``ddtree_request_refusal``, called from the patched
+``validate_dflash_request``).
 """
 
 from __future__ import annotations
@@ -83,9 +87,22 @@ def verify_backend(server_args) -> str | None:
     return override or getattr(server_args, "attention_backend", None)
 
 
-def tree_verify_refusals(server_args) -> list:
-    """Every option the DDTree verify cannot serve, as messages that say what to
-    use instead (empty: the combination is served)."""
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _set(server_args, name: str) -> bool:
+    """An option is in use when it holds anything but its off value."""
+    value = getattr(server_args, name, None)
+    return value not in (None, False, 0, "", "null", "none", [], ())
+
+
+def _wider_than_one(server_args, name: str) -> bool:
+    return (getattr(server_args, name, 1) or 1) > 1
+
+
+def _attention_refusals(server_args) -> list:
+    """What the triton TARGET_VERIFY path with a custom mask cannot run."""
     why = []
     backend = verify_backend(server_args)
     if backend is not None and backend not in TREE_VERIFY_BACKENDS:
@@ -102,19 +119,126 @@ def tree_verify_refusals(server_args) -> list:
             f"--page-size {page_size}: the accepted path's KV is moved token by token "
             "inside the request's tree window; use --page-size 1"
         )
-    attn_dp = bool(getattr(server_args, "enable_dp_attention", False)) or (
-        (getattr(server_args, "attn_dp_size", 1) or 1) > 1
+    if _wider_than_one(server_args, "dcp_size"):
+        why.append(
+            f"--dcp-size {server_args.dcp_size}: triton's decode-context-parallel extend "
+            "(_forward_extend_dcp) raises NotImplementedError for a custom mask, and the tree "
+            "verify always carries one; use --dcp-size 1"
+        )
+    cp = [_flag(n) for n in _CONTEXT_PARALLEL if _set(server_args, n)]
+    if _wider_than_one(server_args, "attn_cp_size"):
+        cp.insert(0, f"--attn-cp-size {server_args.attn_cp_size}")
+    if cp:
+        why.append(
+            f"context parallelism ({', '.join(cp)}) is not supported with DDTREE: triton has no "
+            "prefill-CP path and the tree verify is unproven under CP; drop the CP options"
+        )
+    for name in ("enable_nvidia_megakernel", "enable_amd_monokernel"):
+        if getattr(server_args, name, False):
+            why.append(
+                f"{_flag(name)}: the plugin's fused kernels take over the verify steps they "
+                "support and are not known to apply a custom tree mask; drop it"
+            )
+    if getattr(server_args, "enable_mis", False):
+        why.append(
+            "--enable-mis needs the flashinfer attention backend, which cannot verify a DDTree; "
+            "serve multi-item scoring without DDTREE"
+        )
+    return why
+
+
+# Context-parallel options of 0.5.23 (arg_groups/fields/parallel.py) besides
+# --attn-cp-size (any width > 1) and --dcp-size (refused on its own).
+_CONTEXT_PARALLEL = (
+    "enable_prefill_cp",
+    "cp_strategy",
+    "enable_cp_decode_attn_tp",
+    "enable_dsa_cache_layer_split",
+    "enable_kv_cache_sharding",
+)
+
+
+def _topology_refusals(server_args) -> list:
+    """Process layouts whose decode step is not the single-group tree step."""
+    why = []
+    device = getattr(server_args, "device", None)
+    if device is not None and not str(device).startswith("cuda"):
+        why.append(
+            f"--device {device}: the tree acceptance is SGLang's CUDA tree sampler (eagle_sample "
+            "takes the greedy argmax on CPU and XPU, so sampled requests would be served greedy); "
+            "use --device cuda"
+        )
+    attn_dp = bool(getattr(server_args, "enable_dp_attention", False)) or _wider_than_one(
+        server_args, "attn_dp_size"
     )
     if attn_dp:
         why.append("DP attention is not supported by the tree verify; drop --enable-dp-attention / --attn-dp-size")
+    if _wider_than_one(server_args, "dwdp_size"):
+        why.append(
+            f"--dwdp-size {server_args.dwdp_size} forces attention DP (attn_dp_size = dwdp_size), "
+            "which the tree verify does not support; drop --dwdp-size"
+        )
+    if getattr(server_args, "ep_join_mode", None) == "scale" or (
+        _set(server_args, "elastic_ep_backend")
+        and (getattr(server_args, "max_ep_size", None) or 0) > (getattr(server_args, "tp_size", 1) or 1)
+    ):
+        why.append(
+            "elastic EP scale-up (--elastic-ep-join-mode scale, --max-ep-size above --tp-size) "
+            "adds attention-DP ranks, which the tree verify does not support; drop --max-ep-size "
+            "or use --elastic-ep-join-mode recover"
+        )
+    if _wider_than_one(server_args, "pp_size"):
+        why.append(
+            f"--pp-size {server_args.pp_size}: DFlash (and so DDTREE) runs with one pipeline "
+            "stage only; use --pp-size 1"
+        )
+    if getattr(server_args, "enable_two_batch_overlap", False):
+        why.append(
+            "--enable-two-batch-overlap splits a TARGET_VERIFY batch with EAGLE's verify-input "
+            "layout (split_spec_info), which the DDTree verify input does not have; drop it"
+        )
+    if getattr(server_args, "disaggregation_mode", "null") not in (None, "null"):
+        why.append(
+            f"--disaggregation-mode {server_args.disaggregation_mode}: PD disaggregation hands "
+            "requests to the decode server as prebuilt batches, a path the tree step and its "
+            "KV reservation are not proven on; serve DDTREE colocated"
+        )
+    if getattr(server_args, "decoupled_spec_role", "null") not in (None, "null"):
+        why.append(
+            "--decoupled-spec-role runs draft and verify as separate engines; "
+            "the DDTree worker drafts and verifies in one step; drop it"
+        )
+    if getattr(server_args, "enable_pdmux", False):
+        why.append(
+            "--enable-pdmux runs decode on per-SM-group attention backends beside split "
+            "prefill, unproven with the tree verify; drop it"
+        )
+    if _set(server_args, "dllm_algorithm"):
+        why.append(
+            "--dllm-algorithm (diffusion decoding) replaces the autoregressive step the tree verifies; drop it"
+        )
+    return why
+
+
+def _feature_refusals(server_args) -> list:
+    """Features whose results the tree step would silently get wrong."""
+    why = []
     if getattr(server_args, "enable_lora", False):
         why.append("--enable-lora: the draft top-k does not cover LoRA-added vocabulary; serve without LoRA")
+    elif _set(server_args, "lora_paths") and getattr(server_args, "enable_lora", None) is not False:
+        why.append(
+            "--lora-paths turns LoRA on when the arguments are resolved, and the draft "
+            "top-k does not cover LoRA-added vocabulary; serve without LoRA"
+        )
     if getattr(server_args, "speculative_adaptive", False):
-        why.append("--speculative-adaptive changes the verify width at run time; the tree width is fixed (budget + 1)")
+        why.append(
+            "--speculative-adaptive changes the verify width at run time; the tree width is fixed "
+            "(budget + 1); drop it"
+        )
     if getattr(server_args, "speculative_use_rejection_sampling", False):
         why.append(
             "--speculative-use-rejection-sampling is a chain sampler; "
-            "DDTREE samples the tree with SGLang's tree kernel"
+            "DDTREE samples the tree with SGLang's tree kernel; drop it"
         )
     if getattr(server_args, "speculative_use_block_verification", False):
         why.append("--speculative-use-block-verification is chain-only; drop it")
@@ -126,7 +250,74 @@ def tree_verify_refusals(server_args) -> list:
             )
     if getattr(server_args, "speculative_draft_window_size", None) is not None:
         why.append("--speculative-draft-window-size (compact draft cache) is not supported with DDTREE; drop it")
+    for name in ("enable_return_routed_experts", "enable_return_indexer_topk"):
+        if getattr(server_args, name, False):
+            why.append(
+                f"{_flag(name)}: the capture is stored per verified KV slot, i.e. per tree node in "
+                "node order, and read back per committed position, so every accepted token after "
+                "the first would get another node's record; drop it"
+            )
+    if getattr(server_args, "enable_return_aux_hidden_states", False):
+        why.append(
+            "--enable-return-aux-hidden-states turns speculative decoding off (the algorithm only "
+            "names a capture convention), which a DDTree budget cannot go with; use "
+            "--speculative-algorithm DFLASH for the capture"
+        )
+    if getattr(server_args, "enable_watermark", False):
+        why.append(
+            "--enable-watermark: the tree step does not append the committed tokens to the "
+            "watermark history (watermark_state.append_speculative), so later contexts would be "
+            "wrong; serve watermarked traffic without DDTREE"
+        )
     return why
+
+
+def tree_verify_refusals(server_args) -> list:
+    """Every option the DDTree verify cannot serve, as messages that say what to
+    use instead (empty: the combination is served). Reads plain attributes, so
+    it also runs on a resolved record (``resolved_view``)."""
+    return _attention_refusals(server_args) + _topology_refusals(server_args) + _feature_refusals(server_args)
+
+
+# What the tree step does not apply to the target's distribution. eagle_sample
+# applies logit_bias, the grammar mask, temperature, top-k, top-p and the
+# accumulated penalties, but those stay neutral: only the non-speculative and
+# EAGLE decode preps feed committed tokens to the penalizers, DFlash's does not.
+# request parameter -> (is it asked for?, why it cannot be served).
+_REQUEST_REFUSALS = (
+    ("min_p", lambda sp: (getattr(sp, "min_p", 0.0) or 0.0) > 0.0,
+     "the tree verify samples with temperature/top-k/top-p only (eagle_sample ignores min_p)"),
+    ("frequency_penalty", lambda sp: (getattr(sp, "frequency_penalty", 0.0) or 0.0) != 0.0,
+     "DFlash-family decode never feeds the committed tokens to the penalizers, so it would have no effect"),
+    ("presence_penalty", lambda sp: (getattr(sp, "presence_penalty", 0.0) or 0.0) != 0.0,
+     "DFlash-family decode never feeds the committed tokens to the penalizers, so it would have no effect"),
+    ("repetition_penalty", lambda sp: getattr(sp, "repetition_penalty", 1.0) not in (None, 1.0),
+     "DFlash-family decode never feeds the committed tokens to the penalizers, so it would have no effect"),
+    ("min_new_tokens", lambda sp: (getattr(sp, "min_new_tokens", 0) or 0) > 0,
+     "the output-length counter never advances in DFlash-family decode, so the tree verify "
+     "would ban EOS and stop_token_ids for the whole generation"),
+)
+
+
+def ddtree_request_refusal(req):
+    """Why a DDTREE server cannot serve this request (a message for the client),
+    or None. Reads plain attributes of a scheduler ``Req``; stdlib only."""
+    sp = getattr(req, "sampling_params", None)
+    why = []
+    for name, asked, reason in _REQUEST_REFUSALS:
+        if sp is not None and asked(sp):
+            why.append(f"{name}={getattr(sp, name)!r}: {reason}")
+    if getattr(req, "return_hidden_states", False):
+        why.append(
+            "return_hidden_states: the tree step keeps the verified nodes' hidden states only "
+            "to fill the draft KV and returns none"
+        )
+    if not why:
+        return None
+    return (
+        "DDTREE speculative decoding cannot serve this request: " + "; ".join(why)
+        + ". Drop these parameters, or send the request to a server without DDTREE."
+    )
 
 
 def normalize_ddtree_server_args(server_args) -> None:

@@ -498,22 +498,57 @@ def ddtree_positions(depths: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
 
 def ddtree_tree_mask(parents: torch.Tensor, max_depth: Optional[int] = None) -> torch.Tensor:
     """Ancestors-or-self mask [bs, N, N] bool: ``mask[b, i, j]`` = node j is
-    node i or one of its ancestors. Loop over depth (not nodes)."""
+    node i or one of its ancestors.
+
+    Pointer doubling over the parent links: after step t every row holds the
+    ancestors within distance ``2**t`` (``mask[i] |= mask[jump[i]]``, ``jump =
+    jump[jump]``), so ``ceil(log2(max_depth))`` steps of three kernels cover the
+    tree (4 at depth 15), instead of a loop over depths. ``max_depth`` bounds
+    the deepest node (default: ``N - 1``); the root and padding point to
+    themselves."""
     bs, n = parents.shape
     device = parents.device
-    steps = n if max_depth is None else int(max_depth) + 1
-    mask = torch.zeros(bs, n, n, dtype=torch.bool, device=device)
-    cur = torch.arange(n, device=device).expand(bs, n).clone()
-    alive = torch.ones(bs, n, dtype=torch.bool, device=device)
-    rows = torch.arange(n, device=device).expand(bs, n)
-    bidx = torch.arange(bs, device=device).unsqueeze(1).expand(bs, n)
+    depth = n - 1 if max_depth is None else int(max_depth)
+    ar = torch.arange(n, device=device)
     par = parents.long()
-    for _ in range(steps):
-        mask[bidx, rows, cur.clamp(min=0)] |= alive
-        nxt = torch.gather(par, 1, cur.clamp(min=0))
-        alive = alive & (nxt >= 0)
-        cur = torch.where(alive, nxt, cur)
+    jump = torch.where(par >= 0, par, ar.expand(bs, n))  # [bs, N]: ancestor at distance 1 (or self)
+    eye = ar.view(1, n, 1) == ar.view(1, 1, n)
+    mask = eye | (ar.view(1, 1, n) == jump.unsqueeze(2))
+    reach = 1
+    while reach < depth:
+        mask = mask | torch.gather(mask, 1, jump.unsqueeze(2).expand(bs, n, n))
+        jump = torch.gather(jump, 1, jump)
+        reach *= 2
     return mask
+
+
+def ddtree_window_mask_index(seq_lens: torch.Tensor, n: int) -> torch.Tensor:
+    """Flat positions ``[bs, n, n]`` of the tree-window entries in SGLang's
+    FULL_MASK layout: request b's block starts at ``sum_{b'<b} n*(seq_lens[b']
+    + n)``, its row i is ``seq_lens[b] + n`` entries long, and the window is
+    that row's last ``n`` entries (after the prefix)."""
+    seq_lens = seq_lens.long()
+    row_len = seq_lens + n
+    req_start = torch.cumsum(n * row_len, 0) - n * row_len
+    i = torch.arange(n, device=seq_lens.device).view(1, n, 1)
+    j = torch.arange(n, device=seq_lens.device).view(1, 1, n)
+    return (req_start.view(-1, 1, 1) + i * row_len.view(-1, 1, 1)
+            + seq_lens.view(-1, 1, 1) + j)
+
+
+def ddtree_write_window_mask(
+    mask: torch.Tensor, tree_mask: torch.Tensor, seq_lens: torch.Tensor
+) -> None:
+    """Write only the tree window of the FULL_MASK layout into ``mask`` (1-D,
+    bool/uint8, long enough for the batch). The prefix entries are left as they
+    are: the triton extend kernel never reads them in TARGET_VERIFY
+    (``skip_prefix_custom_mask=True``: every node sees the whole prefix), so
+    the per-step cost is ``bs*n*n`` entries instead of ``n*(sum seq_lens) +
+    bs*n*n``, and a persistent buffer (the attention backend's verify-mask
+    buffer) can be written in place, inside a CUDA graph."""
+    bs, n, _ = tree_mask.shape
+    flat = ddtree_window_mask_index(seq_lens[:bs].to(tree_mask.device), n)
+    mask.view(-1).index_copy_(0, flat.reshape(-1), tree_mask.reshape(-1).to(mask.dtype))
 
 
 def ddtree_full_mask(

@@ -43,6 +43,7 @@ from sglang.srt.speculative.ddtree_utils import (
     ddtree_sample_tree_paths,
     ddtree_tree_mask,
     ddtree_verify_greedy,
+    ddtree_write_window_mask,
     draft_topk_logprobs,
 )
 
@@ -106,6 +107,51 @@ def ddtree_prepare_verify(
         tree, retrieve, tokens.reshape(bs * width), positions.reshape(bs * width),
         tree_mask, custom, width,
     )
+
+
+class DDTreeStepOut(NamedTuple):
+    """What one step's tree work hands to the verify (static buffers under a
+    CUDA graph): node-ordered tokens and positions ``[bs, W]``, the retrieve
+    links ``[bs, W]`` (``retrive_index`` is ``b*W + i``, a constant)."""
+
+    draft_token: torch.Tensor  # int64 [bs, W]
+    positions: torch.Tensor  # int64 [bs, W]
+    retrive_next_token: torch.Tensor  # int64 [bs, W]
+    retrive_next_sibling: torch.Tensor  # int64 [bs, W]
+
+
+def ddtree_tree_step(
+    top_lp: torch.Tensor,
+    top_ids: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    bonus: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    mask: torch.Tensor,
+    budget: int,
+    topk_cap: int,
+) -> DDTreeStepOut:
+    """The tree work of one decode step, from the draft's per-depth candidates
+    to everything the TARGET_VERIFY forward reads, as one unit with static
+    shapes and no host synchronisation, so it can be captured in one CUDA graph
+    per batch size (``ddtree_step.DDTreeStepRunner``).
+
+    ``top_lp`` / ``top_ids`` [bs, L, K]: full-vocabulary log-probs at each
+    request's temperature and their ids, descending; ``top_k`` / ``top_p``
+    [bs]: the request's sampling parameters (``top_k == 1`` is a greedy row:
+    its candidates keep their untempered scores); ``bonus`` [bs]: the root
+    tokens; ``prefix_lens`` [bs]: committed lengths on the device; ``mask``: the
+    1-D FULL_MASK buffer, of which only the tree window is written
+    (:func:`ddtree_write_window_mask`)."""
+    sampled = top_k.view(-1) != 1
+    lp = restrict_draft_logprobs(top_lp, top_k, top_p, sampled)
+    tree = build_ddtree_tree((lp, top_ids), budget, topk_cap, root_tokens=bonus)
+    retrieve = compile_ddtree_retrieve(tree.parents, tree.scores)
+    tokens = torch.where(tree.valid, tree.tokens, tree.tokens[:, :1])
+    positions = ddtree_positions(tree.depths, prefix_lens)
+    tree_mask = ddtree_tree_mask(tree.parents, max_depth=top_lp.shape[1])
+    ddtree_write_window_mask(mask, tree_mask, prefix_lens)
+    return DDTreeStepOut(tokens, positions, retrieve.retrive_next_token, retrieve.retrive_next_sibling)
 
 
 def ddtree_accept(
@@ -210,9 +256,16 @@ def vocab_parallel_topk_logprobs(
     *,
     vocab_start: int = 0,
     gather=None,
+    inv_temperature: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Top-``k`` log-probabilities over the whole vocabulary from this TP rank's
     shard of the logits.
+
+    ``inv_temperature`` (optional): ``[T]`` per row, or ``[G]`` for ``G``
+    groups of ``T / G`` consecutive rows (a request's depths): the logits are
+    multiplied by it first, so the log-probs are those of ``softmax(logits /
+    temperature)`` over the whole vocabulary (1.0 leaves a row as it is). The
+    ids do not depend on it (a positive scale keeps the order).
 
     ``local_logits`` [T, V_local]: rows of the LM head this rank holds (padding
     excluded), token ids ``vocab_start + column``. ``gather(t)`` stacks a tensor
@@ -227,6 +280,10 @@ def vocab_parallel_topk_logprobs(
     """
     logits = local_logits.float()
     rows, v_local = logits.shape
+    if inv_temperature is not None:
+        groups = inv_temperature.numel()
+        scale = inv_temperature.to(logits.dtype).view(groups, 1, 1)
+        logits = (logits.view(groups, rows // groups, v_local) * scale).view(rows, v_local)
     kk = min(int(k), v_local)
     vals, idx = torch.topk(logits, kk, dim=-1, largest=True, sorted=True)
     idx = idx + int(vocab_start)
@@ -271,3 +328,59 @@ def front_rows(x: torch.Tensor, accept_index: torch.Tensor, width: int) -> torch
     keep = (idx >= 0).view((bs, n) + (1,) * (x.dim() - 1))
     out[:, :n] = torch.where(keep, picked, torch.zeros_like(picked))
     return out.view((bs * width,) + tuple(x.shape[1:]))
+
+
+def restrict_draft_logprobs(
+    top_lp: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    sampled: torch.Tensor,
+) -> torch.Tensor:
+    """The draft's per-depth candidates scored under the distribution each
+    request is verified against: top-k, then top-p, renormalised, as SGLang's
+    verify does (``eagle_sample``: temperature softmax, top-k renorm, top-p
+    renorm).
+
+    ``top_lp`` [bs, L, M]: full-vocabulary log-probs at the request's
+    temperature, descending (:func:`vocab_parallel_topk_logprobs` with
+    ``inv_temperature``); ``top_k`` [bs] (int; ``<= 0`` or ``>= vocab`` = all),
+    ``top_p`` [bs] (float, ``1.0`` = all), ``sampled`` [bs] bool: rows to
+    restrict (greedy rows, whose target is one-hot on its argmax, keep their
+    untempered log-probs). Tokens outside a request's support get ``-inf``
+    (the builder never makes them nodes). Returns [bs, L, M] float32.
+
+    Exact when the support is decided inside the ``M`` candidates: a top-k of
+    at most ``M``, and a top-p nucleus that closes inside them. Otherwise the
+    mass of the unseen rest is bounded, not known: a top-k above ``M`` keeps
+    the full-vocabulary normaliser (the tail beyond the top-k is counted in),
+    and an open nucleus is normalised by ``top_p`` itself (the true nucleus
+    mass lies in ``[top_p, top_p + p_{M+1})``). Either way every candidate in
+    the support keeps a finite score and the order inside a depth is
+    unchanged; only the balance between depths can be off by that margin. The
+    tree only steers which prefixes are verified: whatever it holds, the
+    acceptance kernel keeps the output distribution exact.
+
+    Static shapes, no host synchronisation (runs inside the step's CUDA graph).
+    """
+    lp = top_lp.float()
+    bs, _, m = lp.shape
+    ninf = float("-inf")  # a Python scalar: a device tensor made here would be a host copy in the graph
+    k = top_k.to(torch.int64).view(bs, 1, 1)
+    rank = torch.arange(m, device=lp.device).view(1, 1, m)
+    in_k = (k <= 0) | (rank < k)
+    lp_k = torch.where(in_k, lp, ninf)
+    # top-k renormalisation: exact when the whole top-k is among the candidates
+    exact_k = (k > 0) & (k <= m)
+    lp_k = lp_k - torch.where(exact_k.view(bs, 1), torch.logsumexp(lp_k, dim=-1), 0.0).unsqueeze(-1)
+    # top-p on the top-k-renormalised probabilities: keep the smallest prefix
+    # (descending) whose mass reaches top_p (SGLang keeps a token while the mass
+    # before it is below top_p; the first token always)
+    p = lp_k.exp()
+    before = torch.cumsum(p, dim=-1) - p
+    pp = top_p.to(lp.dtype).view(bs, 1, 1)
+    keep = (before < pp) | (rank == 0)
+    closed = (before[..., -1:] + p[..., -1:]) >= pp  # the nucleus ends among the candidates
+    kept_mass = torch.where(keep, p, 0.0).sum(dim=-1, keepdim=True)
+    norm = torch.where(closed, kept_mass, pp).clamp(min=torch.finfo(lp.dtype).tiny).log()
+    out = torch.where(keep & in_k, (lp_k - norm).clamp(max=0.0), ninf)
+    return torch.where(sampled.view(bs, 1, 1), out, lp)

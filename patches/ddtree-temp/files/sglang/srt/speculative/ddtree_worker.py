@@ -1,15 +1,19 @@
-"""DDTree worker for SGLang 0.5.23 (ddtree-temp patch set, 2.0).
+"""DDTree worker for SGLang 0.5.23 (ddtree-temp patch set, 2.1).
 
 One decode step, the way 0.5.23's n-gram worker verifies a tree:
 
 1. **Draft.** The DFlash drafter runs its block ``[bonus, mask, ...]`` exactly as
    ``DFlashWorkerV2`` does (draft CUDA graphs included); instead of the
-   argmax, the target's LM head gives per-position top-k log-probs
-   (:func:`ddtree_verify.vocab_parallel_topk_logprobs`: exact under TP, only
-   k values per rank are gathered).
-2. **Tree.** :func:`ddtree_verify.ddtree_prepare_verify` builds the best-first
-   tree (static shapes, no host sync), its retrieve arrays, positions
-   ``prefix + depth`` and the FULL_MASK custom mask.
+   argmax, the target's LM head gives per-position top-k log-probs at each
+   request's temperature (:func:`ddtree_verify.vocab_parallel_topk_logprobs`:
+   exact under TP, only k values per rank are gathered).
+2. **Tree.** One graph replay (:class:`ddtree_step.DDTreeStepRunner`, eager
+   where graphs are off): the candidates restricted to each request's
+   top-k/top-p support, the best-first tree, its retrieve arrays, positions
+   ``prefix + depth`` and the tree window of the verify mask, written straight
+   into the target attention backend's verify-mask buffer
+   (:func:`ddtree_verify.ddtree_tree_step`). A grammar batch queues the tree's
+   host copy now, ahead of the verify launch.
 3. **Verify.** A :class:`DDTreeVerifyInput` (a ``DFlashVerifyInput`` carrying the
    tree) goes through ``prepare_for_verify`` and the target worker's
    ``forward_batch_generation(is_verify=True)`` in ``TARGET_VERIFY`` mode: the
@@ -17,14 +21,17 @@ One decode step, the way 0.5.23's n-gram worker verifies a tree:
    path, see the patched spec_info / dflash_utils / triton_backend), the model's
    own logits processor under TP and the triton attention backend (MHA or MLA)
    apply unchanged.
-4. **Accept.** ``eagle_sample`` (SGLang's ``verify_tree_greedy`` /
+4. **Accept.** Custom logit processors on every tree row, then ``eagle_sample``
+   (penalties, logit bias, grammar mask, then SGLang's ``verify_tree_greedy`` /
    ``tree_speculative_sampling_target_only`` kernels, temperature / top-k /
    top-p as EAGLE's verify).
 5. **Commit.** ``move_accept_tokens_to_target_kvcache`` puts the accepted
    nodes' target KV at the front of the window (as the n-gram worker does), the
-   committed tokens come back in DFlash's ``[bs, block_size]`` layout, and the
-   accepted path's target hidden states are materialised into the DFlash draft
-   KV (DFlash's own ``_append_target_hidden_to_draft_kv_by_loc``).
+   committed tokens come back in DFlash's ``[bs, block_size]`` layout (with the
+   sampling masks of ``return_sampling_mask`` requests, gathered along the
+   accepted path), and the accepted path's target hidden states are
+   materialised into the DFlash draft KV (DFlash's own
+   ``_append_target_hidden_to_draft_kv_by_loc``).
 
 Module level imports only stdlib and torch (the test hosts' stand-in server
 imports every ddtree module without SGLang's dependencies); the SGLang classes
@@ -79,11 +86,28 @@ class DDTreeConfig:
         return cls(budget, cap if cap is not None else budget, block_size)
 
 
-def model_refusals(*, mamba: bool, selector: bool, domino: bool, quantized_head_tp: bool) -> list:
-    """Reasons, known only once the models are loaded, why DDTREE cannot serve
-    them (the server refuses to start with these; options are refused earlier,
-    when the arguments are parsed, by ddtree_args)."""
+def model_refusals(
+    *,
+    mamba: bool,
+    selector: bool,
+    domino: bool,
+    quantized_head_tp: bool,
+    verify_backend: str = "TritonAttnBackend",
+    hip: bool = False,
+) -> list:
+    """Reasons, known only once the server is built, why DDTREE cannot serve
+    it (the server refuses to start with these; options are refused earlier,
+    when the arguments are parsed, by ddtree_args). ``verify_backend``: the
+    class of the attention backend that runs the target verify, after every
+    resolution hook (a model's hook may pick one after the parse check)."""
     why = []
+    if verify_backend != "TritonAttnBackend":
+        why.append(
+            f"the target verify runs on {verify_backend} (chosen after the arguments were "
+            "parsed); only the triton backend applies the tree mask: pass --attention-backend triton"
+        )
+    if hip:
+        why.append("ROCm: eagle_sample verifies greedily on HIP, so sampled requests would be served greedy")
     if mamba:
         why.append("the target has mamba/linear-attention state (a tree verify cannot roll it back per branch)")
     if selector:
@@ -93,6 +117,15 @@ def model_refusals(*, mamba: bool, selector: bool, domino: bool, quantized_head_
     if quantized_head_tp:
         why.append("the target lm_head is quantised and TP > 1 (no exact sharded top-k)")
     return why
+
+
+def verify_attention_backend(backend, speculative_attention_mode: Optional[str]):
+    """The backend object that runs TARGET_VERIFY: a hybrid (prefill/decode)
+    backend routes it to its prefill side unless --speculative-attention-mode
+    decode (SGLang's rule)."""
+    if hasattr(backend, "prefill_backend") and hasattr(backend, "decode_backend"):
+        return backend.decode_backend if speculative_attention_mode == "decode" else backend.prefill_backend
+    return backend
 
 
 def host_prefix_bound(seq_lens_cpu, nxt_kv_lens_cpu, context_len: int, block_size: int) -> torch.Tensor:
@@ -111,7 +144,9 @@ def host_prefix_bound(seq_lens_cpu, nxt_kv_lens_cpu, context_len: int, block_siz
 
 def _build_worker_cls() -> type:
     from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
+    from sglang.srt.arg_groups.model_override_base import resolved_view
     from sglang.srt.layers.logprob_processor import compute_spec_logprobs
+    from sglang.srt.layers.sampler import apply_custom_logit_processor
     from sglang.srt.lora.layers import unwrap_lora_layer
     from sglang.srt.managers.scheduler import GenerationBatchResult
     from sglang.srt.model_executor.forward_batch_info import (
@@ -120,10 +155,11 @@ def _build_worker_cls() -> type:
         ForwardMode,
         enable_num_token_non_padded,
     )
-    from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.runtime_context import get_parallel, get_spec
+    from sglang.srt.speculative.ddtree_args import tree_verify_refusals
+    from sglang.srt.speculative.ddtree_step import DDTreeStepRunner, cuda_graph_factory
     from sglang.srt.speculative.ddtree_verify import (
         ddtree_commit_tokens,
-        ddtree_prepare_verify,
         front_rows,
         vocab_parallel_topk_logprobs,
     )
@@ -134,6 +170,7 @@ def _build_worker_cls() -> type:
     )
     from sglang.srt.speculative.eagle_utils import eagle_sample
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang.srt.speculative.spec_sampling_mask import SpeculativeSamplingMaskCapture
     from sglang.srt.speculative.spec_tp_sync import SpecTpSyncSite
     from sglang.srt.speculative.spec_utils import (
         GrammarTree,
@@ -141,6 +178,7 @@ def _build_worker_cls() -> type:
         draft_tp_context,
         move_accept_tokens_to_target_kvcache,
     )
+    from sglang.srt.utils import is_hip
 
     class DDTreeVerifyInput(DFlashVerifyInput):
         """A DFlash verify input carrying a draft tree, shaped as 0.5.23's
@@ -193,16 +231,7 @@ def _build_worker_cls() -> type:
         def __init__(self, server_args, *args, **kwargs):
             super().__init__(server_args, *args, **kwargs)
             self.ddtree_config = DDTreeConfig.from_server_args(server_args, int(self.block_size))
-            target_model = self.target_worker.model_runner.model
-            lm_head = unwrap_lora_layer(getattr(target_model, "lm_head", None))
-            weight = getattr(lm_head, "weight", None)
-            dense = weight is not None and weight.dtype in (torch.float16, torch.bfloat16, torch.float32)
-            why = model_refusals(
-                mamba=bool(self._need_mamba_verify_commit),
-                selector=self.selector is not None or self.lilicorr is not None,
-                domino=bool(self._is_domino),
-                quantized_head_tp=(not dense) and int(get_parallel().tp_group.world_size) > 1,
-            )
+            why = self.ddtree_startup_refusals(server_args)
             if why:
                 raise ValueError("--speculative-algorithm DDTREE cannot serve this model: " + "; ".join(why) + ".")
             if int(get_parallel().tp_rank) == 0:
@@ -216,14 +245,72 @@ def _build_worker_cls() -> type:
                     self.ddtree_config.max_depth,
                 )
 
+        def ddtree_startup_refusals(self, server_args) -> list:
+            """What only the built server knows: the models (model_refusals), the
+            backend that really runs the target verify, the platform, and the
+            options as resolved (a model's resolution hook runs after the
+            parse-time check and may change the backend, page size or topology)."""
+            target_model = self.target_worker.model_runner.model
+            lm_head = unwrap_lora_layer(getattr(target_model, "lm_head", None))
+            weight = getattr(lm_head, "weight", None)
+            dense = weight is not None and weight.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            verify_backend = verify_attention_backend(
+                self.target_worker.model_runner.attn_backend, get_spec().speculative_attention_mode
+            )
+            why = model_refusals(
+                mamba=bool(self._need_mamba_verify_commit),
+                selector=self.selector is not None or self.lilicorr is not None,
+                domino=bool(self._is_domino),
+                quantized_head_tp=(not dense) and int(get_parallel().tp_group.world_size) > 1,
+                verify_backend=type(verify_backend).__name__,
+                hip=bool(is_hip()),
+            )
+            return why + tree_verify_refusals(resolved_view(server_args))
+
         # The DFlash in-graph greedy head would hide the draft hidden states;
         # the tree needs top-k log-probs, computed after the draft forward.
         def _maybe_build_draft_sampler(self):
             return None
 
         def _prewarm_batch_size(self, block_size: int) -> int:
-            # The tree verify samples over budget + 1 rows per request.
+            """The largest batch a sampled tree verify can see: every decode batch
+            is at most ``--max-running-requests`` requests, CUDA graph or eager
+            (upstream rehearses only the graph batch, so a larger eager batch
+            allocates its ``[bs, W, V]`` probabilities unaccounted, under traffic)."""
+            running = int(getattr(self.model_runner, "max_running_requests", 0) or 0)
+            if running > 0:
+                return running
             return super()._prewarm_batch_size(self.ddtree_config.verify_width)
+
+        # -- the tree step unit (one CUDA graph per graph batch size) ----------
+        def init_cuda_graphs(self):
+            super().init_cuda_graphs()
+            runner = self.ddtree_tree_runner()
+            capture_bs = list(
+                getattr(self.target_worker.model_runner, "decode_cuda_graph_capture_bs", None) or []
+            )
+            if capture_bs and torch.device(self.device).type == "cuda":
+                runner.capture(capture_bs, cuda_graph_factory())
+                if int(get_parallel().tp_rank) == 0:
+                    logger.info("DDTREE: tree step captured for batch sizes %s", runner.capture_bs)
+
+        def ddtree_tree_runner(self) -> DDTreeStepRunner:
+            """Built on first use: the target attention backend's verify-mask
+            buffer exists once the target runner is initialised."""
+            runner = self.__dict__.get("_ddtree_runner")
+            if runner is None:
+                cfg = self.ddtree_config
+                vm = getattr(self.target_worker.model_runner.attn_backend, "verify_mask", None)
+                runner = DDTreeStepRunner(
+                    budget=cfg.budget,
+                    topk_cap=cfg.topk_cap,
+                    draft_len=int(self.block_size) - 1,
+                    device=self.device,
+                    mask_buffer=None if vm is None else vm.buffer,
+                    mask_bs_limit=0 if vm is None else int(vm.max_bs),
+                )
+                self._ddtree_runner = runner
+            return runner
 
         def prewarm_sampling(self):
             """Rehearse the sampled tree verify at its largest batch, so the
@@ -289,21 +376,25 @@ def _build_worker_cls() -> type:
         def ddtree_decode(self, batch, *, on_publish=None, grammar_barrier=None):
             draft_input = batch.spec_info
             batch.seq_lens.record_stream(torch.get_device_module(self.device).current_stream())
-            host_prefix = host_prefix_bound(
-                batch.seq_lens_cpu,
-                getattr(draft_input, "nxt_kv_lens_cpu", None),
-                int(self.model_runner.model_config.context_len),
-                int(self.block_size),
-            )
             draft_hidden, block_plan = self.ddtree_draft_block(batch, draft_input)
             # The LM head runs in the draft's TP placement, as DFlash's greedy head does.
             with draft_tp_context(self.draft_parallel_layout):
-                top_lp, top_ids = self.ddtree_draft_topk(draft_hidden)
-            verify_input = self.ddtree_verify_input(batch, draft_input, top_lp, top_ids, host_prefix)
+                top_lp, top_ids = self.ddtree_draft_topk(draft_hidden, batch.sampling_info)
+            verify_input = self.ddtree_verify_input(batch, draft_input, top_lp, top_ids)
+            # The grammar's host copy of the tree must be queued ahead of the
+            # verify launch, so the CPU bitmask overlaps the verify, not waits for it.
+            grammar_tree = None
+            if batch.has_grammar:
+                grammar_tree = GrammarTree.from_device(
+                    verify_input.retrieve_next_token,
+                    verify_input.retrieve_next_sibling,
+                    verify_input.draft_token.view(len(batch.seq_lens), -1),
+                )
             target_out, logits_output = self.ddtree_target_verify(batch, draft_input, verify_input)
             return self.ddtree_accept_and_commit(
                 batch, verify_input, target_out, logits_output, block_plan,
-                on_publish=on_publish, grammar_barrier=grammar_barrier,
+                draft_input=draft_input, on_publish=on_publish, grammar_barrier=grammar_barrier,
+                grammar_tree=grammar_tree,
             )
 
         def ddtree_draft_block(self, batch, draft_input):
@@ -388,9 +479,11 @@ def _build_worker_cls() -> type:
             hidden = hidden[: bs * block_size].view(bs, block_size, -1)[:, 1:, :]
             return hidden, block_plan
 
-        def ddtree_draft_topk(self, draft_hidden):
+        def ddtree_draft_topk(self, draft_hidden, sampling_info=None):
             """Per-depth top-k log-probs of the draft positions through the
-            target's LM head, exact over the whole vocabulary under TP."""
+            target's LM head, exact over the whole vocabulary under TP, at each
+            request's temperature (greedy rows carry temperature 1: untempered).
+            The top-k/top-p restriction runs in the tree step."""
             bs, depth, hidden_size = draft_hidden.shape
             lm_head = unwrap_lora_layer(getattr(self.target_worker.model_runner.model, "lm_head", None))
             shard = getattr(lm_head, "shard_indices", None)
@@ -412,30 +505,51 @@ def _build_worker_cls() -> type:
                 tp_group.all_gather_into_tensor(out, t.contiguous())
                 return out.view((tp_size,) + tuple(t.shape))
 
+            inv_temperature = None  # per request, for its `depth` rows
+            if sampling_info is not None and not sampling_info.is_all_greedy:
+                inv_temperature = sampling_info.temperatures.view(-1).float().reciprocal()
             lp, ids = vocab_parallel_topk_logprobs(
                 local,
                 self.ddtree_config.topk_cap,
                 vocab_start=vocab_start,
                 gather=gather if tp_size > 1 else None,
+                inv_temperature=inv_temperature,
             )
             k = lp.shape[-1]
             return lp.view(bs, depth, k), ids.view(bs, depth, k)
 
-        def ddtree_verify_input(self, batch, draft_input, top_lp, top_ids, host_prefix):
+        def ddtree_verify_input(self, batch, draft_input, top_lp, top_ids):
             """Tree -> ``DDTreeVerifyInput`` over ``req_to_token[prefix : prefix + W]``
-            (the window the patched DFlash reservation covers)."""
+            (the window the patched DFlash reservation covers). The tree work is
+            one graph replay (``DDTreeStepRunner``); its mask is the target
+            backend's verify-mask buffer with only the tree window written."""
             cfg = self.ddtree_config
             bs = len(batch.seq_lens)
             prefix_lens = batch.seq_lens
-            plan = ddtree_prepare_verify(
-                (top_lp, top_ids),
-                draft_input.bonus_tokens.view(-1),
-                prefix_lens,
-                cfg.budget,
-                cfg.topk_cap,
-                seq_lens_sum=int(host_prefix.sum()),
-            )
             W = cfg.verify_width
+            runner = self.ddtree_tree_runner()
+            info = batch.sampling_info
+            if info is not None:
+                top_k, top_p = info.top_ks, info.top_ps
+            else:
+                top_k = torch.ones((bs,), dtype=torch.int64, device=self.device)
+                top_p = torch.ones((bs,), dtype=torch.float32, device=self.device)
+
+            def mask_numel() -> int:
+                # A batch past the backend's buffer gets a fresh mask, sized from
+                # host lengths (no device->host sync): the FULL_MASK bound.
+                host_prefix = host_prefix_bound(
+                    batch.seq_lens_cpu,
+                    getattr(draft_input, "nxt_kv_lens_cpu", None),
+                    int(self.model_runner.model_config.context_len),
+                    int(self.block_size),
+                )
+                return W * int(host_prefix.sum()) + bs * W * W
+
+            out, mask = runner.run(
+                top_lp, top_ids, top_k, top_p, draft_input.bonus_tokens.view(-1), prefix_lens,
+                mask_numel=mask_numel,
+            )
             tree_loc = assign_extend_cache_locs_func(
                 req_pool_indices=batch.req_pool_indices,
                 req_to_token=self.model_runner.req_to_token_pool.req_to_token,
@@ -456,13 +570,13 @@ def _build_worker_cls() -> type:
             )
             batch.out_cache_loc = tree_loc
             return DDTreeVerifyInput(
-                draft_token=plan.draft_token,
-                positions=plan.positions,
+                draft_token=out.draft_token.reshape(bs * W),
+                positions=out.positions.reshape(bs * W),
                 draft_token_num=W,
-                custom_mask=plan.custom_mask,
-                retrieve_index=plan.retrieve.retrive_index,
-                retrieve_next_token=plan.retrieve.retrive_next_token,
-                retrieve_next_sibling=plan.retrieve.retrive_next_sibling,
+                custom_mask=mask,
+                retrieve_index=runner.retrieve_index(bs),
+                retrieve_next_token=out.retrive_next_token,
+                retrieve_next_sibling=out.retrive_next_sibling,
                 max_depth=cfg.max_depth,
                 kv_loc_plan=tree_plan,
             )
@@ -494,27 +608,29 @@ def _build_worker_cls() -> type:
 
         def ddtree_accept_and_commit(
             self, batch, verify_input, target_out, logits_output, block_plan, *,
-            on_publish=None, grammar_barrier=None,
+            draft_input, on_publish=None, grammar_barrier=None, grammar_tree=None,
         ):
             cfg = self.ddtree_config
             bs = len(batch.seq_lens)
             W = cfg.verify_width
             block_size = int(self.block_size)
             prefix_lens = batch.seq_lens
+            sampling_info = batch.sampling_info
 
             grammar_mask = None
-            if batch.has_grammar:
-                tree = GrammarTree.from_device(
-                    verify_input.retrieve_next_token,
-                    verify_input.retrieve_next_sibling,
-                    verify_input.draft_token.view(bs, W),
-                )
+            if grammar_tree is not None:
                 grammar_mask = build_grammar_vocab_mask(
                     reqs=batch.reqs,
-                    tree=tree,
-                    sampling_info=batch.sampling_info,
+                    tree=grammar_tree,
+                    sampling_info=sampling_info,
                     device=logits_output.next_token_logits.device,
                     barrier=grammar_barrier,
+                )
+            # Custom logit processors see every tree row, as DFLASH applies them
+            # to every block row in its verify (eagle_sample does not apply them).
+            if sampling_info is not None and sampling_info.has_custom_logit_processor:
+                apply_custom_logit_processor(
+                    logits_output.next_token_logits, sampling_info, num_tokens_in_batch=W
                 )
 
             # SGLang's tree acceptance (greedy or sampled), as EAGLE and NGRAM.
@@ -539,6 +655,9 @@ def _build_worker_cls() -> type:
                 compute_spec_logprobs(batch, logits_output, predict, accept_index=accept_index)
             out_tokens, commit_lens, bonus = ddtree_commit_tokens(
                 predict, accept_index, accept_lens, block_size
+            )
+            self.ddtree_capture_sampling_mask(
+                batch, draft_input, logits_output, accept_index, out_tokens, commit_lens
             )
             new_seq_lens = prefix_lens + commit_lens.to(prefix_lens.dtype)
             if on_publish is not None:
@@ -574,6 +693,32 @@ def _build_worker_cls() -> type:
                 routed_experts_output=target_out.routed_experts_output,
                 indexer_topk_output=target_out.indexer_topk_output,
             )
+
+        def ddtree_capture_sampling_mask(
+            self, batch, draft_input, logits_output, accept_index, out_tokens, commit_lens
+        ):
+            """``return_sampling_mask`` requests get the distribution each committed
+            token was drawn from: the target's verify distribution at the node the
+            walk accepted it under (the logits after penalties, bias, grammar and
+            custom processors, which eagle_sample applied in place), gathered along
+            the accepted path into DFlash's committed-block layout, then
+            SGLang's own capture (as DFlash's decode step builds it)."""
+            info = batch.sampling_info
+            if info is None or info.sampling_mask_batch_indices is None:
+                return
+            block_size = int(self.block_size)
+            path_logits = front_rows(logits_output.next_token_logits, accept_index, block_size)
+            capture = SpeculativeSamplingMaskCapture.from_logits(
+                info,
+                next_token_logits=path_logits,
+                draft_input=draft_input,
+                draft_token_num=block_size,
+                bs=len(batch.seq_lens),
+            )
+            if capture is not None:
+                logits_output.sampling_mask_output = capture.build_output(
+                    out_tokens=out_tokens, commit_lens=commit_lens
+                )
 
     DDTreeWorkerV2.DDTreeVerifyInput = DDTreeVerifyInput
     return DDTreeWorkerV2

@@ -1113,6 +1113,14 @@ def build_speculative_verify_target_probs(
 
 
 def validate_dflash_request(req: Req, enable_overlap: bool) -> Optional[str]:
+    # ddtree-temp: under DDTREE, requests asking for what the tree step does not
+    # apply are refused here, with a message for the client (ddtree_args).
+    if getattr(get_spec(), "speculative_ddtree_budget", None) is not None:
+        from sglang.srt.speculative.ddtree_args import ddtree_request_refusal
+
+        error_msg = ddtree_request_refusal(req)
+        if error_msg is not None:
+            return error_msg
     if enable_overlap and req.return_hidden_states:
         return "DFLASH speculative decoding does not support return_hidden_states yet."
 

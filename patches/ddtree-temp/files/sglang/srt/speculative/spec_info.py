@@ -544,11 +544,21 @@ def create_dummy_verify_input(
         from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 
         # Dummy warmup only needs shape metadata; avoid forcing custom-mask mode.
+        # ddtree-temp: under DDTREE the target verifies budget + 1 tokens per
+        # request, always through the mask: warm-up and autotune batches take
+        # that width and that path (a block-wide dummy would plan attention for
+        # 16 tokens of the W each request has).
+        ddtree = (
+            getattr(spec, "speculative_ddtree_budget", None) is not None
+            and not is_draft_worker
+        )
         spec_info = DFlashVerifyInput(
             draft_token=None,
             positions=None,
-            draft_token_num=spec.speculative_num_draft_tokens,
-            custom_mask=None,
+            draft_token_num=(
+                num_tokens_per_req if ddtree else spec.speculative_num_draft_tokens
+            ),
+            custom_mask=custom_mask if ddtree else None,
             capture_hidden_mode=(
                 CaptureHiddenMode.NULL if is_draft_worker else CaptureHiddenMode.FULL
             ),

@@ -635,7 +635,14 @@ class TritonAttnBackend(AttentionBackend):
             self._verify_mask.buffer if self._verify_mask is not None else None
         )
         if spec_info is not None and spec_info.custom_mask is not None:
-            custom_mask[: spec_info.custom_mask.shape[0]] = spec_info.custom_mask
+            # ddtree-temp: the DDTree step writes its tree window straight into
+            # this buffer (the prefix part is never read); copying the buffer
+            # onto itself would move the whole FULL_MASK span every replay.
+            if not (
+                getattr(get_spec(), "speculative_ddtree_budget", None) is not None
+                and spec_info.custom_mask.data_ptr() == custom_mask.data_ptr()
+            ):
+                custom_mask[: spec_info.custom_mask.shape[0]] = spec_info.custom_mask
         else:
             custom_mask = None
         seq_mask_len = num_tokens_per_req * (seq_lens + num_tokens_per_req)

@@ -1,0 +1,148 @@
+"""The DDTree worker against the target's triton backend, on CPU.
+
+1. The patched triton backend's graph replay and the DDTree step's in-place mask.
+
+Under DDTREE the tree step writes its tree window straight into the triton
+backend's verify-mask buffer, and the verify input's ``custom_mask`` IS that
+buffer. 0.5.23's ``_update_target_verify_buffers`` (the CUDA-graph replay path)
+copies ``spec_info.custom_mask`` into the buffer every replay: onto itself, the
+whole FULL_MASK span (up to ``G*W*(C+W)`` bytes at long context) each step.
+The patched backend skips exactly that self-copy, under DDTREE only.
+
+Real (in .venv-sglang with the overlay): ``TritonAttnBackend._update_target_verify_buffers``
+and ``_target_verify_num_tokens_per_req``, the published runtime context. The
+backend object is ``object.__new__`` with the attributes that method reads (a real
+one needs a model runner on a GPU), and ``_fill_kv_indptr_and_indices`` (the
+KV-index part, untouched by the patch) returns a fixed indptr. The buffer is a
+tensor subclass that records slice assignments.
+
+2. What the worker refuses at start-up, once the server is built
+(``DDTreeWorkerV2.ddtree_startup_refusals``, real, on an ``object.__new__``
+worker): the backend object that really runs the target verify (a hybrid
+backend's prefill side, or its decode side under --speculative-attention-mode
+decode) must be the triton one, and the options are checked again as resolved,
+since a model's resolution hook runs after the parse-time check (here: a page
+size set after parsing, as MiniMax-M3's hook sets 128).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_env import run_sglang
+
+pytestmark = pytest.mark.sglang
+
+CODE = r'''
+import types
+import torch
+from sglang.srt import runtime_context as rc
+from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+from sglang.srt.server_args import prepare_server_args
+
+
+class Recording(torch.Tensor):
+    """A buffer that records ``buf[...] = value`` (the replay's copy)."""
+
+    def __setitem__(self, key, value):
+        self.writes.append(str(key))
+        super().__setitem__(key, value)
+
+
+def replay(algorithm_args, same_buffer):
+    args = prepare_server_args(["--model-path", MODEL, "--device", "cuda"] + algorithm_args)
+    rc.reset_context()
+    rc.publish(args, role="scheduler")
+    bs, W = 2, 5
+    buf = torch.zeros(200, dtype=torch.uint8).as_subclass(Recording)
+    buf.writes = []
+    backend = object.__new__(TritonAttnBackend)
+    backend.__dict__.update(
+        device="cpu", qo_indptr=torch.zeros(bs + 1, dtype=torch.int32),
+        mask_indptr=torch.zeros(bs + 1, dtype=torch.int64), window_kv_indptr=None,
+        sliding_window_size=None, target_verify_num_tokens_per_req=W,
+        _verify_mask=types.SimpleNamespace(buffer=buf),
+        cuda_graph_kv_indices=torch.zeros(16, dtype=torch.int64))
+    backend._fill_kv_indptr_and_indices = lambda *a: torch.zeros(bs + 1, dtype=torch.int32)
+    mask = buf if same_buffer else torch.ones(100, dtype=torch.uint8)
+    spec_info = types.SimpleNamespace(custom_mask=mask, num_tokens_per_req=W)
+    out = backend._update_target_verify_buffers(None, bs, torch.tensor([3, 7]), spec_info, None)
+    return {"writes": list(buf.writes), "mask_is_buffer": out[2] is buf,
+            "ones_copied": int(torch.Tensor(buf)[:100].sum()),
+            "mask_indptr": out[3].tolist()}
+
+
+D = ["--speculative-draft-model-path", MODEL]
+DDTREE = ["--speculative-algorithm", "DDTREE", "--speculative-ddtree-budget", "4"] + D
+DFLASH = ["--speculative-algorithm", "DFLASH"] + D
+OUT["ddtree_same"] = replay(DDTREE, True)
+OUT["ddtree_other"] = replay(DDTREE, False)
+OUT["dflash_same"] = replay(DFLASH, True)
+
+from sglang.srt.arg_groups.overrides import declare_resolution
+from sglang.srt.speculative.ddtree_worker import get_ddtree_worker_cls
+from sglang.test.parallel_groups import publish
+
+
+def startup(attn_backend, mode="prefill", page_size=None):
+    args = prepare_server_args(["--model-path", MODEL, "--device", "cuda"] + DDTREE
+                               + ["--speculative-attention-mode", mode])
+    if page_size is not None:  # what a model's resolution hook may do after the parse check
+        declare_resolution(args, "model_hook", page_size=page_size)
+    rc.reset_context()
+    publish(args, role="scheduler")
+    worker = object.__new__(get_ddtree_worker_cls())
+    runner = types.SimpleNamespace(model=types.SimpleNamespace(lm_head=types.SimpleNamespace(
+        weight=torch.zeros(4, 4))), attn_backend=attn_backend)
+    worker.__dict__.update(_target_worker=types.SimpleNamespace(model_runner=runner),
+                           _need_mamba_verify_commit=False, selector=None, lilicorr=None,
+                           _is_domino=False)
+    return worker.ddtree_startup_refusals(args)
+
+
+triton = object.__new__(TritonAttnBackend)
+other = type("FlashInferAttnBackend", (), {})()
+hybrid = types.SimpleNamespace(prefill_backend=triton, decode_backend=other)
+OUT["startup_triton"] = startup(triton)
+OUT["startup_hybrid_prefill"] = startup(hybrid)
+OUT["startup_hybrid_decode"] = startup(hybrid, mode="decode")
+OUT["startup_page_after_parse"] = startup(triton, page_size=128)
+'''
+
+
+@pytest.fixture(scope="module")
+def replays(tmp_path_factory, sglang_overlay):
+    return run_sglang(CODE, tmp_path_factory.mktemp("mask-buffer"), sglang_overlay)
+
+
+def test_ddtree_replay_does_not_copy_the_buffer_onto_itself(replays):
+    got = replays["ddtree_same"]
+    assert got["writes"] == [] and got["mask_is_buffer"], got
+    assert got["mask_indptr"] == [0, 5 * (3 + 5), 5 * (3 + 5) + 5 * (7 + 5)]
+
+
+def test_a_mask_built_elsewhere_is_still_copied_in(replays):
+    """Control: a verify input whose mask is another tensor (an eager batch's
+    fresh mask, or another algorithm) is copied into the buffer as upstream does."""
+    got = replays["ddtree_other"]
+    assert got["writes"] == ["slice(None, 100, None)"] and got["ones_copied"] == 100, got
+
+
+def test_other_algorithms_keep_upstreams_copy(replays):
+    got = replays["dflash_same"]
+    assert got["writes"] == ["slice(None, 200, None)"], got
+
+
+def test_a_served_configuration_starts(replays):
+    assert replays["startup_triton"] == []
+    assert replays["startup_hybrid_prefill"] == [], "the verify runs on the hybrid's prefill side"
+
+
+def test_a_verify_that_would_run_on_another_backend_is_refused_at_start(replays):
+    why = replays["startup_hybrid_decode"]
+    assert len(why) == 1 and "FlashInferAttnBackend" in why[0] and "--attention-backend triton" in why[0]
+
+
+def test_options_changed_after_the_parse_check_are_refused_at_start(replays):
+    why = replays["startup_page_after_parse"]
+    assert any("--page-size 128" in w for w in why), why

@@ -52,6 +52,10 @@ OPTIONS = {
                                   "test_sglang_integration.py"),
     "speculative_ddtree_topk_cap": (SERVED, "1..budget (default budget), refused outside",
                                     "test_sglang_integration.py"),
+    "speculative_ddtree_tree_distribution": (
+        SERVED, "request (default: each request's temperature/top-k/top-p) or raw (the draft at T = 1, "
+        "unrestricted); refused without DDTREE",
+        "test_worker_features_cpu.py::test_the_raw_tree_distribution_verifies_the_untempered_tree"),
     "speculative_num_draft_tokens": (SERVED, "the DFlash block b; max tree depth min(B, b - 1)",
                                      "test_worker_decode_cpu.py"),
     "speculative_dflash_block_size": (SERVED, "same as --speculative-num-draft-tokens (DFLASH makes them equal)",

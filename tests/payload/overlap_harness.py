@@ -362,20 +362,6 @@ def _debug_future_map(enabled):
     overlap_utils._assert_nonneg_and_invalidate = getattr(fn, "_torchdynamo_orig_callable", fn)
 
 
-def _record_accepts(accepted):
-    """Record every greedy tree verify's ``accept_index`` (global node rows)."""
-    from sglang.srt.speculative import eagle_utils
-
-    greedy = eagle_utils.verify_tree_greedy_func
-
-    def recording_verify(**kw):
-        out = greedy(**kw)
-        accepted.append(kw["accept_index"].tolist())
-        return out
-
-    eagle_utils.verify_tree_greedy_func = recording_verify
-
-
 def _prefilled_requests(*, prefixes, max_new_tokens, pools):
     """Requests right after their prefill: prompt KV (the toy target's markers)
     in randomly placed slots, exact allocation, the sampled root in output_ids."""
@@ -489,7 +475,7 @@ def run_overlap(*, model, budget, cap, block, prefixes, max_new_tokens, steps, n
     wf._setup_runtime(budget, cap, block, model)
     wf._patch_kernels(False)
     accepted = []
-    _record_accepts(accepted)
+    wf.record_accepts(accepted)
     _debug_future_map(debug_future_map)
     W = DDTreeConfig(budget, cap, block).verify_width
     log = {"launch": [], "returned": [], "processed": [], "prepared": [], "verify": [], "append": [],

@@ -40,6 +40,22 @@ OUT["defaults"] = parse("--speculative-algorithm", "ddtree")
 OUT["triton_named"] = parse(*D, "--attention-backend", "triton", "--page-size", "1")
 OUT["plain_dflash"] = parse("--speculative-algorithm", "DFLASH")
 OUT["plain_none"] = parse()
+
+def distribution(*extra):
+    try:
+        return prepare_server_args(base + list(extra)).speculative_ddtree_tree_distribution
+    except ValueError as e:
+        return "refused: " + str(e)
+    except SystemExit as e:
+        return "argparse exit %s" % e.code
+
+OUT["distribution"] = {
+    "default": distribution(*D),
+    "raw": distribution(*D, "--speculative-ddtree-tree-distribution", "raw"),
+    "other": distribution(*D, "--speculative-ddtree-tree-distribution", "sharp"),
+    "dflash": distribution("--speculative-algorithm", "DFLASH", "--speculative-ddtree-tree-distribution", "raw"),
+    "plain": distribution("--speculative-algorithm", "DFLASH"),
+}
 cases = {
     "budget0": D + ["--speculative-ddtree-budget", "0"],
     "budget_big": D + ["--speculative-ddtree-budget", "2000"],
@@ -81,6 +97,10 @@ def test_ddtree_flags_parse_refuse_and_pick_the_worker(sglang_overlay, tmp_path)
     # nothing changes for the other algorithms (no backend or page size picked)
     assert out["plain_dflash"] == ["DFLASH", None, None, None, None]
     assert out["plain_none"] == [None, None, None, None, None]
+    dist = out["distribution"]
+    assert (dist["default"], dist["raw"], dist["plain"]) == ("request", "raw", None)
+    assert dist["other"] == "argparse exit 2"
+    assert "--speculative-ddtree-tree-distribution requires --speculative-algorithm DDTREE" in dist["dflash"]
     bad = out["bad"]
     assert "1..1024" in bad["budget0"] and "1..1024" in bad["budget_big"]
     assert "1 <= topk_cap <= budget" in bad["cap_over"] and "1 <= topk_cap <= budget" in bad["cap0"]

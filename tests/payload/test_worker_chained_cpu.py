@@ -119,7 +119,7 @@ def run_chain(*, budget, cap, block, prefixes, steps, mutation=None):
     from sglang.srt.model_executor.model_runner import ModelRunnerOutput
     from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
     from sglang.srt.sampling.sampling_params import SamplingParams
-    from sglang.srt.speculative import ddtree_worker, eagle_utils, spec_utils
+    from sglang.srt.speculative import ddtree_worker, spec_utils
     from sglang.srt.speculative.ddtree_kv import ddtree_decode_reserve
     from sglang.srt.speculative.ddtree_worker import DDTreeConfig, get_ddtree_worker_cls
     from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
@@ -129,14 +129,7 @@ def run_chain(*, budget, cap, block, prefixes, steps, mutation=None):
     wf._setup_runtime(budget, cap, block, MODEL)
     wf._patch_kernels(False)
     accepted = []  # per step: accept_index rows (global node ids, -1 padded)
-    greedy = eagle_utils.verify_tree_greedy_func
-
-    def recording_verify(**kw):
-        out = greedy(**kw)
-        accepted.append(kw["accept_index"].tolist())
-        return out
-
-    eagle_utils.verify_tree_greedy_func = recording_verify
+    wf.record_accepts(accepted)
 
     real_move = spec_utils.move_accept_tokens_to_target_kvcache
     if mutation == "no_kv_move":  # the worker class binds it when built: rebuild

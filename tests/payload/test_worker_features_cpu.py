@@ -81,6 +81,10 @@ def runs(tmp_path_factory, sglang_overlay):
         OUT[name] = wf.run_case(model=MODEL, **case, prefixes=prefixes, bonus=bonus, ranks=ranks,
                                 sampling=sampling, req_kwargs=req_kwargs, worker_mutation=mutation)
         OUT[name].update(ban=ban, plan=plan)
+    raw = {{"budget": 8, "cap": 3, "block": 5, "host_mirror": True, "prefixes": [6, 6], "bonus": [23, 23],
+           "ranks": [[0], [0, 0, 0, 0]], "sampling": [{{"temperature": 0.7, "top_p": 0.9}}, {{"temperature": 0.0}}]}}
+    OUT["raw_tree"] = wf.run_case(model=MODEL, **raw, extra_args=["--speculative-ddtree-tree-distribution", "raw"])
+    OUT["request_tree"] = wf.run_case(model=MODEL, **raw)
     OUT["grammar"] = wf.run_case(model=MODEL, budget=8, cap=3, block=5, prefixes=[7, 11],
                                  ranks=[[0, 0, 0, 0], [1, 0]], host_mirror=True, grammar_probe=True)
     """
@@ -206,3 +210,17 @@ def test_grammar_tree_reaches_the_host_before_the_verify_launch(runs):
     log = out["result"]["grammar_log"]
     with pytest.raises(AssertionError):
         tree_copied_before_verify([log[1], log[0], log[2]])
+
+
+def test_the_raw_tree_distribution_verifies_the_untempered_tree(runs):
+    """``--speculative-ddtree-tree-distribution raw``: a sampled request's tree is
+    the draft's at temperature 1, unrestricted (the fake target checks the
+    verified tree node by node against the reference the harness expects);
+    by default the same request gets its own tempered tree, which differs."""
+    raw, default = runs["raw_tree"], runs["request_tree"]
+    assert raw["expect"]["trees"][0] == raw["expect"]["untempered_trees"][0]
+    assert default["expect"]["trees"][0] != default["expect"]["untempered_trees"][0]
+    assert raw["expect"]["trees"][1] == default["expect"]["trees"][1], "greedy rows: untempered either way"
+    for out in (raw, default):
+        assert all(out["expect"]["walk_valid"]), out["expect"]["walk_valid"]
+        check_kv(out)

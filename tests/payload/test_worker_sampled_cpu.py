@@ -119,6 +119,7 @@ def runs(tmp_path_factory, sglang_overlay):
     OUT["triton"] = step(7, {_batch(8)!r}, renorm="triton")
     OUT["mutant"] = step(8, {_batch(32)!r}, mutation="first_child")
     OUT["reused_coin"] = step(9, {_batch(64)!r}, mutation="reused_coin")
+    OUT["coin_tree"] = step(10, {_batch(N_PER_STEP)!r}, mutation="coin_tree")
     """
     return run_sglang(code, tmp_path_factory.mktemp("sampled"), sglang_overlay, timeout=600)
 
@@ -252,7 +253,7 @@ def test_sampler_inputs_meet_the_cuda_kernel_contract(runs):
     host checks want them (``jit/csrc/speculative/sampling.cuh``: shapes,
     dtypes, contiguity; ``verify_tree_greedy`` checks the same retrieve arrays
     the same way). The reference sampler does not care, the CUDA kernel does."""
-    for out in runs["stats"] + [runs["triton"], runs["mutant"], runs["reused_coin"]]:
+    for out in runs["stats"] + [runs["triton"], runs["mutant"], runs["reused_coin"], runs["coin_tree"]]:
         assert out["result"]["kernels"]["contract_violations"] == []
 
 
@@ -310,3 +311,34 @@ def test_pair_check_rejects_a_reused_coin(runs, setting):
     assert chi_square(first, target_dist(logits[()], **params))[2] > ALPHA
     stat, df, pval = chi_square(pairs, expected_pairs(logits, children, params))
     assert pval < ALPHA, (setting, stat, df, pval)
+
+
+def test_each_request_is_verified_on_the_tree_of_its_own_distribution(runs):
+    """The tempered tree: the fake target checks, node by node, that the worker
+    verified the reference tree built from the draft at the request's
+    temperature, top-k and top-p; here, that this differs from the T = 1,
+    unrestricted tree where it should (temperature 0.7, top-p 0.9) and not where
+    it cannot (temperature 1 with a top-k above the candidates: the same
+    scores), and that the greedy request keeps the untempered tree."""
+    out = runs["stats"][0]
+    exp = out["expect"]
+    by_setting = {}
+    for b, row in enumerate(out["sampling"]):
+        by_setting.setdefault(_setting_of(row) or "greedy", b)
+    tempered = by_setting["t0.7-p0.9"]
+    assert exp["trees"][tempered] != exp["untempered_trees"][tempered]
+    for name in ("t1.0-k5", "greedy"):
+        b = by_setting[name]
+        assert exp["trees"][b] == exp["untempered_trees"][b], name
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_distribution_check_rejects_a_tree_chosen_with_the_coins(runs, setting):
+    """Control for the tempered tree's losslessness: the tree may depend on
+    anything but the acceptance coins. A tree that drops the root's first child
+    exactly when the root's coin would accept it has the wrong law (its walks
+    may end in a token of the reference tree, so only the law is checked)."""
+    first, _, logits, _ = samples_of([runs["coin_tree"]], setting)
+    p1 = target_dist(logits[()], **SETTINGS[setting])
+    stat, df, pval = chi_square(first, p1)
+    assert pval < ALPHA, (setting, stat, df, pval, sorted(Counter(first).items()))

@@ -378,7 +378,9 @@ def _patch_sampling(mutation: str | None, renorm: str, kernel_calls: dict):
       reject: ``mutation="first_child"`` zeroes its coins (the first child with
       non-zero probability is always accepted); ``"reused_coin"`` gives every
       node of a request the root's coin (first token still exact, the second
-      biased)."""
+      biased); ``"coin_tree"`` lets the tree depend on the coins (the root's
+      first child unlinked exactly when the root's coin would accept it): what a
+      tree built after the coins are drawn could do, which breaks losslessness."""
     from sglang.kernels.ops.sampling import renorm_triton
     from sglang.srt.speculative import eagle_utils
     from sglang.srt.speculative.ddtree_utils import (
@@ -450,11 +452,37 @@ def _patch_sampling(mutation: str | None, renorm: str, kernel_calls: dict):
             kw["uniform_samples"] = torch.zeros_like(coins)
         elif mutation == "reused_coin":
             kw["uniform_samples"] = coins[:, :1].expand_as(coins).contiguous()
+        elif mutation == "coin_tree":
+            # a tree chosen knowing the coins: the root's first child is unlinked
+            # exactly when the root's coin would accept it (its next sibling
+            # becomes the first child)
+            nt, ns = kw["retrive_next_token"].clone(), kw["retrive_next_sibling"]
+            first = nt[:, 0].clamp(min=0)
+            tok = kw["candidates"].gather(1, first.unsqueeze(1))
+            p_first = kw["target_probs"][:, 0].gather(1, tok).squeeze(1)
+            drop = (coins[:, 0] < p_first) & (nt[:, 0] >= 0)
+            nt[:, 0] = torch.where(drop, ns.gather(1, first.unsqueeze(1)).squeeze(1), nt[:, 0])
+            kw["retrive_next_token"] = nt
         elif mutation is not None:
             raise ValueError(mutation)
         tree_speculative_sampling_reference(**kw)
 
     eagle_utils.tree_speculative_sampling_target_only = tree_sampling
+
+
+def record_accepts(accepted: list) -> None:
+    """Record every greedy tree verify's ``accept_index`` (global node rows) into
+    ``accepted``: the chained and overlap tests check the KV moves against it."""
+    from sglang.srt.speculative import eagle_utils
+
+    greedy = eagle_utils.verify_tree_greedy_func
+
+    def recording_verify(**kw):
+        out = greedy(**kw)
+        accepted.append(kw["accept_index"].tolist())
+        return out
+
+    eagle_utils.verify_tree_greedy_func = recording_verify
 
 
 def _grammar_probe(log: list):
@@ -677,7 +705,7 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
     ``profile``: the step runs under torch's profiler and
     ``result["launches"]`` counts the tree work's launches
     (``launch_count.count_launches``)."""
-    _setup_runtime(budget, cap, block, model, extra_args)
+    server_args = _setup_runtime(budget, cap, block, model, extra_args)
     req_kwargs = [dict(k) for k in req_kwargs] if req_kwargs is not None else [{} for _ in prefixes]
     _patch_kernels(no_kv_move)
     bs = len(prefixes)
@@ -718,7 +746,7 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
 
     grammar_log = [] if grammar_probe else None
     cls = _worker_cls(worker_mutation, grammar_log)
-    cfg = DDTreeConfig(budget, cap, block)
+    cfg = DDTreeConfig.from_server_args(server_args, block)  # as the worker's __init__ builds it
     W, D = cfg.verify_width, cfg.max_depth
     dev = "cpu"
 
@@ -727,21 +755,26 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
         bonus = [(11 + 17 * b) % (V - 1) for b in range(bs)]
     bonus = [int(t) for t in bonus]
     trees, plans, tops, expect = [], [], [], {"out": [], "ids": [], "paths": []}
+    untempered_trees = []  # the best-first trees of the draft at T = 1, unrestricted (2.0's)
+    # --speculative-ddtree-tree-distribution raw: every request's tree is the untempered one
+    raw_tree = "raw" in [b for a, b in zip(extra_args, list(extra_args)[1:], strict=False)
+                         if a == "--speculative-ddtree-tree-distribution"]
     min_gap = math.inf
     memo = {}
     for b in range(bs):
         key = (bonus[b], prefixes[b], sampling_of(sampling[b]))
         if key not in memo:  # identical requests: one reference tree
             top = draft_topk(bonus[b], prefixes[b], block, cap)
-            scored = tempered_topk(bonus[b], prefixes[b], block, cap, sampling[b])
-            memo[key] = (top,) + reference_tree(scored, budget, D)
-        top, nodes, gap = memo[key]
+            scored = top if raw_tree else tempered_topk(bonus[b], prefixes[b], block, cap, sampling[b])
+            memo[key] = (top,) + reference_tree(scored, budget, D) + (reference_tree(top, budget, D)[0],)
+        top, nodes, gap, untempered = memo[key]
         min_gap = min(min_gap, gap)
         plan = make_plan(top, ranks[b])
         banned = set(sampling[b].get("custom_params", {}).get("token_ids", ()))
         out, ids, paths = expected_step(bonus[b], plan, nodes, D, banned if req_kwargs[b] else ())
         tops.append(top)
         trees.append(nodes)
+        untempered_trees.append(untempered)
         plans.append(plan)
         expect["out"].append(out)
         expect["ids"].append(ids)
@@ -1045,6 +1078,7 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
             "depths": [[len(p) for p in expect["paths"][b]] for b in range(bs)],
             "bonus": bonus, "min_score_gap": min_gap, "plans": plans,
             "trees": [[list(p) for p in t] for t in trees],
+            "untempered_trees": [[list(p) for p in t] for t in untempered_trees],
             "greedy_out": expect.get("greedy_out", expect["out"]), "walk_valid": walk_valid,
         },
         "slots": {

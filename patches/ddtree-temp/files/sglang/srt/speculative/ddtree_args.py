@@ -75,6 +75,31 @@ def resolve_ddtree_args(algorithm, budget, topk_cap):
     return algorithm, budget, topk_cap
 
 
+TREE_DISTRIBUTIONS = ("request", "raw")
+
+
+def resolve_tree_distribution(budget, distribution):
+    """``--speculative-ddtree-tree-distribution``: which draft distribution the
+    tree is built from. ``request`` (the default under DDTREE): each request's
+    temperature, top-k and top-p, as its verify samples; ``raw``: the draft at
+    temperature 1, unrestricted (2.0's tree), for a drafter that is poorly
+    calibrated at low temperature (bench/results/tempered_tree.md: sharpening a
+    wrong draft loses). Refused without DDTREE."""
+    if budget is None:
+        if distribution is not None:
+            raise DDTreeArgumentError(
+                "--speculative-ddtree-tree-distribution requires --speculative-algorithm DDTREE."
+            )
+        return None
+    distribution = "request" if distribution is None else str(distribution)
+    if distribution not in TREE_DISTRIBUTIONS:
+        raise DDTreeArgumentError(
+            f"--speculative-ddtree-tree-distribution must be one of {', '.join(TREE_DISTRIBUTIONS)}, "
+            f"got {distribution!r}."
+        )
+    return distribution
+
+
 def verify_backend(server_args) -> str | None:
     """The backend that runs TARGET_VERIFY (SGLang's rule: the prefill backend
     unless --speculative-attention-mode decode)."""
@@ -346,3 +371,6 @@ def normalize_ddtree_server_args(server_args) -> None:
         server_args.speculative_ddtree_budget = budget
     if getattr(server_args, "speculative_ddtree_topk_cap", None) != cap:
         server_args.speculative_ddtree_topk_cap = cap
+    dist = resolve_tree_distribution(budget, getattr(server_args, "speculative_ddtree_tree_distribution", None))
+    if getattr(server_args, "speculative_ddtree_tree_distribution", None) != dist:
+        server_args.speculative_ddtree_tree_distribution = dist

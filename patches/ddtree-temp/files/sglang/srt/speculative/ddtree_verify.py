@@ -346,8 +346,9 @@ def restrict_draft_logprobs(
     ``inv_temperature``); ``top_k`` [bs] (int; ``<= 0`` or ``>= vocab`` = all),
     ``top_p`` [bs] (float, ``1.0`` = all), ``sampled`` [bs] bool: rows to
     restrict (greedy rows, whose target is one-hot on its argmax, keep their
-    untempered log-probs). Tokens outside a request's support get ``-inf``
-    (the builder never makes them nodes). Returns [bs, L, M] float32.
+    untempered log-probs). Tokens the candidates show to be outside a request's
+    support get ``-inf`` (the builder never makes them nodes); a ``top_p`` of
+    1.0 keeps every candidate. Returns [bs, L, M] float32.
 
     Exact when the support is decided inside the ``M`` candidates: a top-k of
     at most ``M``, and a top-p nucleus that closes inside them. Otherwise the
@@ -356,9 +357,12 @@ def restrict_draft_logprobs(
     and an open nucleus is normalised by ``top_p`` itself (the true nucleus
     mass lies in ``[top_p, top_p + p_{M+1})``). Either way every candidate in
     the support keeps a finite score and the order inside a depth is
-    unchanged; only the balance between depths can be off by that margin. The
-    tree only steers which prefixes are verified: whatever it holds, the
-    acceptance kernel keeps the output distribution exact.
+    unchanged; only the balance between depths can be off by that margin, and
+    with a top-k above ``M`` and a top-p below 1 the nucleus is cut on the
+    full-vocabulary probabilities, so a candidate just outside the true support
+    may keep a finite score (a wasted node, never a wrong token). The tree only
+    steers which prefixes are verified: whatever it holds, the acceptance kernel
+    keeps the output distribution exact.
 
     Static shapes, no host synchronisation (runs inside the step's CUDA graph).
     """
@@ -378,7 +382,8 @@ def restrict_draft_logprobs(
     p = lp_k.exp()
     before = torch.cumsum(p, dim=-1) - p
     pp = top_p.to(lp.dtype).view(bs, 1, 1)
-    keep = (before < pp) | (rank == 0)
+    # (top_p >= 1 keeps all: a float32 mass before a tiny candidate can round to 1.0)
+    keep = (before < pp) | (rank == 0) | (pp >= 1.0)
     closed = (before[..., -1:] + p[..., -1:]) >= pp  # the nucleus ends among the candidates
     kept_mass = torch.where(keep, p, 0.0).sum(dim=-1, keepdim=True)
     norm = torch.where(closed, kept_mass, pp).clamp(min=torch.finfo(lp.dtype).tiny).log()

@@ -53,14 +53,19 @@ _WORKER_CLS: Optional[type] = None
 class DDTreeConfig:
     """The tree's static shape: every tensor of a step is sized from these."""
 
-    def __init__(self, budget: int, topk_cap: int, block_size: int):
+    def __init__(self, budget: int, topk_cap: int, block_size: int, tree_distribution: str = "request"):
         if budget < 1 or not 1 <= topk_cap <= budget or block_size < 2:
             raise ValueError(
                 f"invalid DDTree config budget={budget} topk_cap={topk_cap} block_size={block_size}"
             )
+        if tree_distribution not in ("request", "raw"):
+            raise ValueError(f"invalid DDTree tree distribution {tree_distribution!r}")
         self.budget = int(budget)
         self.topk_cap = int(topk_cap)
         self.block_size = int(block_size)
+        # "request": the tree is built from each request's sampling distribution;
+        # "raw": from the draft at temperature 1, unrestricted
+        self.tree_distribution = tree_distribution
 
     @property
     def verify_width(self) -> int:
@@ -83,7 +88,8 @@ class DDTreeConfig:
         cap = getattr(server_args, "speculative_ddtree_topk_cap", None)
         if budget is None:
             raise ValueError("DDTree worker needs speculative_ddtree_budget")
-        return cls(budget, cap if cap is not None else budget, block_size)
+        dist = getattr(server_args, "speculative_ddtree_tree_distribution", None) or "request"
+        return cls(budget, cap if cap is not None else budget, block_size, dist)
 
 
 def model_refusals(
@@ -506,7 +512,11 @@ def _build_worker_cls() -> type:
                 return out.view((tp_size,) + tuple(t.shape))
 
             inv_temperature = None  # per request, for its `depth` rows
-            if sampling_info is not None and not sampling_info.is_all_greedy:
+            if (
+                sampling_info is not None
+                and not sampling_info.is_all_greedy
+                and self.ddtree_config.tree_distribution == "request"
+            ):
                 inv_temperature = sampling_info.temperatures.view(-1).float().reciprocal()
             lp, ids = vocab_parallel_topk_logprobs(
                 local,
@@ -529,7 +539,7 @@ def _build_worker_cls() -> type:
             W = cfg.verify_width
             runner = self.ddtree_tree_runner()
             info = batch.sampling_info
-            if info is not None:
+            if info is not None and cfg.tree_distribution == "request":
                 top_k, top_p = info.top_ks, info.top_ps
             else:
                 top_k = torch.ones((bs,), dtype=torch.int64, device=self.device)

@@ -83,6 +83,16 @@ class Spec(msgspec.Struct):
         "DDTREE only. Only the top K draft tokens per depth are tree candidates; "
         "1 <= K <= budget. Default: the budget (the paper's tree).",
     ] = None
+    speculative_ddtree_tree_distribution: A[
+        Optional[str],
+        Arg(
+            help="DDTREE only. The draft distribution the tree is built from: 'request' "
+            "(default: each request's temperature, top-k and top-p, as its verify samples) or "
+            "'raw' (the draft at temperature 1, unrestricted; for a drafter that is poorly "
+            "calibrated at low temperature).",
+            choices=["request", "raw"],
+        ),
+    ] = None
     speculative_domino_candidate_pool_size: A[
         int,
         "Domino only. Size of the approximate block-shared base-logit candidate pool. Set to 0 to score the full vocabulary.",

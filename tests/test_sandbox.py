@@ -323,3 +323,26 @@ def test_a_state_file_from_before_the_split_still_loads(tmp_path):
            "sshd_pid": 12, "init_pid": 13}
     h = SandboxHost.from_dict(old)
     assert (h.name, h.subnet, h.sshd_pid, h.init_pid, h.address) == ("sbx1", 7, 12, 13, "10.200.7.2")
+
+
+def test_sandbox_nvidia_smi_never_lists_a_process_that_reused_a_registrants_pid(tmp_path):
+    """A killed stand-in leaves its 'GPU memory' file behind; when a later process gets its PID
+    (under a busy run, the deploying controller itself), the sandbox's nvidia-smi must not report
+    that process as holding GPU memory: the file's start time must be the live process's."""
+    from ddtree_ops.testing.sandbox.hostfiles import GPU_DIR, NVIDIA_SMI
+
+    with open(f"/proc/{os.getpid()}/stat") as fh:
+        start = fh.read().rsplit(")", 1)[1].split()[19]
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        (tmp_path / str(os.getpid())).write_text(f"1000 {start}")  # the registrant itself
+        (tmp_path / str(child.pid)).write_text(f"2000 {start}")  # its PID, now another process
+        (tmp_path / "1").write_text("3000")  # an entry without a start time (older stand-in)
+        script = NVIDIA_SMI.replace(repr(GPU_DIR), repr(str(tmp_path)))
+        out = subprocess.run([sys.executable, "-c", script, "--query-compute-apps=pid,used_memory"],
+                             capture_output=True, text=True, check=True).stdout.split("\n")
+    finally:
+        child.kill()
+        child.wait()
+    assert f"{os.getpid()}, 1000" in out and "1, 3000" in out
+    assert f"{child.pid}, 2000" not in out, out

@@ -93,9 +93,11 @@ def multinode_inventory(doc: dict[str, Any], names: list[str], group: str = "ser
 
 
 # The sandbox hosts have no GPU. Their `nvidia-smi` (on the PATH sshd gives sessions) lists the
-# processes that registered GPU memory in GPU_DIR (a file per PID holding MiB: the stand-in does,
-# and its --standin-orphan-gpu-seconds child), as long as they are alive; only the query the tool
-# sends is answered.
+# processes that registered GPU memory in GPU_DIR (a file per PID holding "MiB START": the
+# stand-in does, and its --standin-orphan-gpu-seconds child), as long as they are alive; only the
+# query the tool sends is answered. START is the registrant's start time (field 22 of
+# /proc/PID/stat): a killed stand-in leaves its file behind, and once its PID is reused by
+# another process (the controller itself, under a busy test run) that process must not be listed.
 GPU_BIN = "/run/ddtree-sandbox/bin"
 GPU_DIR = "/run/ddtree-sandbox/gpu"
 NVIDIA_SMI = f"""import os, sys
@@ -105,11 +107,12 @@ d = {GPU_DIR!r}
 for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
     try:
         with open(f"/proc/{{name}}/stat") as fh:
-            state = fh.read().rsplit(")", 1)[1].split()[0]
-        mib = int(open(os.path.join(d, name)).read().strip() or 0)
+            fields = fh.read().rsplit(")", 1)[1].split()
+        entry = open(os.path.join(d, name)).read().split()
+        mib = int(entry[0]) if entry else 0
     except (OSError, ValueError, IndexError):
         continue
-    if state != "Z":
+    if fields[0] != "Z" and (len(entry) < 2 or entry[1] == fields[19]):
         print(f"{{name}}, {{mib}}")
 """
 

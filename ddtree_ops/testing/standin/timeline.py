@@ -85,7 +85,8 @@ def alive():
 while alive():
     time.sleep(0.1)
 path = os.path.join(gpu_dir, str(os.getpid()))
-open(path, "w").write(mib)
+start = open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19]
+open(path, "w").write(f"{mib} {start}")
 try:
     time.sleep(linger)
 finally:
@@ -99,8 +100,10 @@ def hold_gpu_memory(args) -> None:
     d = args.standin_gpu_dir
     if not d or not os.path.isdir(d):
         return
+    with open("/proc/self/stat") as fh:  # the start time tells this process from a later one with its PID
+        start = fh.read().rsplit(")", 1)[1].split()[19]
     with open(os.path.join(d, str(os.getpid())), "w") as fh:
-        fh.write(str(args.standin_gpu_mib))
+        fh.write(f"{args.standin_gpu_mib} {start}")
     if args.standin_orphan_gpu_seconds is not None:
         import subprocess
 

@@ -44,6 +44,9 @@ if importlib.util.find_spec("sglang") is None:
 from sglang.srt.speculative import ddtree_utils as du  # noqa: E402
 from sglang.srt.speculative import ddtree_verify as dv  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "bench"))
+from gpu_server_check import chi2_sf  # noqa: E402  (the chi-square tail without scipy, stdlib only)
+
 if not pathlib.Path(du.__file__).resolve().is_relative_to(PAYLOAD):
     raise SystemExit(f"ddtree_utils imported from {du.__file__}, not the payload: run in .venv")
 
@@ -259,46 +262,6 @@ def mc_check(tree, logits, exact, temp, top_p, reps, gen):
     return {"contexts": n, "walks_per_context": reps, "mc": mc, "mc_se": se, "closed_form": ex, "z": z}
 
 
-# --------------------------------------------------------------------------
-# Chi-square without scipy: regularised upper incomplete gamma
-# --------------------------------------------------------------------------
-
-
-def gamma_q(a, x):
-    """Q(a, x) = Gamma(a, x) / Gamma(a) (Numerical Recipes: series below a+1, else the
-    continued fraction)."""
-    if x <= 0:
-        return 1.0
-    lg = math.lgamma(a)
-    if x < a + 1:
-        term = total = 1.0 / a
-        ap = a
-        for _ in range(10000):
-            ap += 1
-            term *= x / ap
-            total += term
-            if abs(term) < abs(total) * 1e-15:
-                break
-        return max(0.0, 1.0 - total * math.exp(-x + a * math.log(x) - lg))
-    b = x + 1 - a
-    c = 1 / 1e-300
-    d = 1 / b
-    h = d
-    for i in range(1, 10000):
-        an = -i * (i - a)
-        b += 2
-        d = an * d + b
-        d = 1e-300 if abs(d) < 1e-300 else d
-        c = b + an / c
-        c = 1e-300 if abs(c) < 1e-300 else c
-        d = 1 / d
-        delta = d * c
-        h *= delta
-        if abs(delta - 1) < 1e-15:
-            break
-    return math.exp(-x + a * math.log(x) - lg) * h
-
-
 def chi_square(counts, probs):
     """Pearson chi-square of ``counts`` against ``probs`` (bins with expected < 5 pooled);
     a count where ``probs`` is 0 gives p = 0."""
@@ -313,7 +276,7 @@ def chi_square(counts, probs):
     obs, ex = obs[keep], ex[keep]
     stat = float(((obs - ex) ** 2 / ex).sum())
     df = int(obs.numel()) - 1
-    return {"stat": stat, "df": df, "p_value": gamma_q(df / 2.0, stat / 2.0) if df > 0 else 1.0}
+    return {"stat": stat, "df": df, "p_value": chi2_sf(stat, df)}
 
 
 def losslessness(tree, logits, temp, top_p, walks, gen):

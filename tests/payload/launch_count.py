@@ -47,7 +47,7 @@ def _is_launch(event) -> bool:
     name = event.name
     if not name.startswith("aten::") or name in NON_LAUNCH:
         return False
-    return not any(_is_launch(child) or _does_work_below(child) for child in event.cpu_children)
+    return not _does_work_below(event)
 
 
 def _does_work_below(event) -> bool:

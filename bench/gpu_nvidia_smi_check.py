@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What a real `nvidia-smi` says about GPU memory holders, read by our own code (issue 12, item 2).
 
-The deploy asks the host's nvidia-smi who holds GPU memory (`ddtree_ops.gpus.QUERY`), tells our
+The deploy asks the host's nvidia-smi who holds GPU memory (`ddtree_ops.host.gpus.QUERY`), tells our
 units' processes from strangers by their ancestry (`gpus.of_our_units`, the agent's
 `_ancestors`), and after a stop waits until the old server's memory is given back. The sandbox's
 nvidia-smi is a script; this runs the same functions against the driver's, on the lent GPU
@@ -28,8 +28,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from ddtree_ops.gpus import QUERY, foreign_apps, parse_gpu_apps  # noqa: E402
-from ddtree_ops.remote_agent import _ancestors, _cmdline  # noqa: E402
+from ddtree_ops.host.agent import _ancestors, _cmdline  # noqa: E402
+from ddtree_ops.host.gpus import QUERY, foreign_apps, parse_gpu_apps  # noqa: E402
 
 MARKER = "PR_SET_PDEATHSIG: die with the unit"  # in every command line this script starts
 

@@ -33,7 +33,7 @@ def write_patchset(root: Path, files: dict[str, bytes], *, name: str = "fastps",
 
 
 def load(path: Path):
-    from ddtree_ops.patchset import load_patchset
+    from ddtree_ops.artifacts.patchset import load_patchset
 
     return load_patchset(str(path))
 

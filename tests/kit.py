@@ -67,12 +67,12 @@ class TestHost:
 
     @property
     def host(self):
-        from ddtree_ops.inventory import load_inventory
+        from ddtree_ops.config.inventory import load_inventory
 
         return load_inventory(self.inventory).hosts[self.name]
 
     def ssh(self, argv: list[str], check: bool = True, stdin: str | None = None):
-        from ddtree_ops.transport import connect
+        from ddtree_ops.host.transport import connect
 
         with connect(self.host) as conn:
             return conn.run(argv, check=check, stdin=stdin)
@@ -255,7 +255,7 @@ def _clean(sandbox, name: str) -> TestHost:
     serving, DDTree stopped) only the state dir is wiped; otherwise a full `reset_host`."""
     import httpx
 
-    from ddtree_ops.localproc import pid_alive
+    from ddtree_ops.host.localproc import pid_alive
 
     th = TestHost(name, sandbox, Path(sandbox.inventory_path))
     sbh = next(x for x in sandbox.hosts() if x.name == name)

@@ -29,11 +29,11 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from ddtree_ops import bundle as bundle_mod
-from ddtree_ops.bundle import MANIFEST, BuiltBundle, build_bundle, open_bundle
-from ddtree_ops.cli import app
+from ddtree_ops.artifacts import bundle as bundle_mod
+from ddtree_ops.artifacts.bundle import MANIFEST, BuiltBundle, build_bundle, open_bundle
+from ddtree_ops.artifacts.resources import templates_dir as default_templates_dir
+from ddtree_ops.cli.commands import app
 from ddtree_ops.errors import BundleError, InputError
-from ddtree_ops.resources import templates_dir as default_templates_dir
 from ddtree_ops.testing.fake_host import fake_inventory
 from fast_kit import PROBE_REL, write_patchset
 
@@ -446,7 +446,7 @@ def _zero_gzip(n_mib: int) -> bytes:
 _RSS_CHILD = r"""
 import json, resource, sys, time
 sys.argv = ["ddtree-ops", "plan", "-i", sys.argv[1], "--bundle", sys.argv[2]]
-from ddtree_ops.cli import main
+from ddtree_ops.cli.commands import main
 t = time.monotonic()
 try:
     main()
@@ -633,8 +633,8 @@ def test_deploy_of_a_working_tree_is_refused_when_signatures_are_required(tmp_pa
 
 
 def test_inventory_bundle_signers_is_validated():
+    from ddtree_ops.config.inventory import BundleSigners, parse_inventory
     from ddtree_ops.errors import InventoryError
-    from ddtree_ops.inventory import BundleSigners, parse_inventory
 
     def host(policy):
         return parse_inventory(fake_inventory(1, bundle_signers=policy)).hosts["fh1"]

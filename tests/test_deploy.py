@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from ddtree_ops.units import parse_exec_flags
+from ddtree_ops.artifacts.units import parse_exec_flags
 from kit import DFLASH_INFO, REPO, make_patchset, run_cli, snapshot_paths, upstream_file
 
 DDTREE = "sglang-k26-ddtree.service"
@@ -244,7 +244,7 @@ def test_drifted_upstream_file_is_refused_unless_forced(fresh_host, good_patchse
 
 
 def test_held_lock_exits_5_and_names_the_holder(fresh_host, good_patchset):
-    from ddtree_ops.session import session_to
+    from ddtree_ops.host.session import session_to
 
     with session_to(fresh_host.host) as session:
         store = session.store

@@ -34,8 +34,8 @@ import httpx
 import paramiko
 import pytest
 
-from ddtree_ops.localproc import pid_alive
-from ddtree_ops.pause_points import FAULT
+from ddtree_ops.host.localproc import pid_alive
+from ddtree_ops.testing.pause_points import FAULT
 from kit import _PRISTINE, DFLASH_INFO, host_tree, in_parallel, make_patchset, run_cli, upstream_file, wait_for
 
 DDTREE = "sglang-k26-ddtree.service"
@@ -465,8 +465,8 @@ HOSTILE = [
 
 
 def test_hostile_inventory_values_are_rejected_with_exit_2_naming_file_host_and_field(sandbox, tmp_path):
+    from ddtree_ops.config.inventory import load_inventory
     from ddtree_ops.errors import InventoryError
-    from ddtree_ops.inventory import load_inventory
     from kit import TestHost
 
     th = TestHost("sbx1", sandbox, Path(sandbox.inventory_path))
@@ -489,11 +489,11 @@ def test_remote_commands_quote_every_value(clean_host, tmp_path):
     and a conflict that validation (and the unit renderer) would refuse) is a fully quoted argv."""
     import dataclasses
 
-    from ddtree_ops.patchset import load_patchset
-    from ddtree_ops.plan import read_host
-    from ddtree_ops.release_store import agent_argv
-    from ddtree_ops.session import session_to
-    from ddtree_ops.transport import connect, shell_join
+    from ddtree_ops.artifacts.patchset import load_patchset
+    from ddtree_ops.host.release_store import agent_argv
+    from ddtree_ops.host.session import session_to
+    from ddtree_ops.host.transport import connect, shell_join
+    from ddtree_ops.runbook.plan import read_host
 
     th = clean_host
     mark = tmp_path / "pwned"  # /tmp is the same folder inside the sandbox host

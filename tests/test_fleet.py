@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ddtree_ops.config.inventory import parse_inventory
 from ddtree_ops.errors import BundleError, InputError, InventoryError
-from ddtree_ops.inventory import parse_inventory
-from ddtree_ops.rollout import batch_size, budget_exceeded, make_targets, parse_percent, plan_batches
+from ddtree_ops.fleet.rollout import batch_size, budget_exceeded, make_targets, parse_percent, plan_batches
 from kit import DFLASH_INFO, TestHost, make_patchset, run_cli, snapshot_paths, upstream_file, write_inventory
 
 PROBE = "sglang/srt/speculative/ddtree_probe.py"
@@ -97,7 +97,7 @@ def test_inventory_multinode_servers_are_validated_and_one_target():
     targets, notes = make_targets(inv, inv.select("n1,a"))
     assert [(t.name, [h.name for h in t.hosts]) for t in targets] == [("a", ["a"]), ("k26x2", ["n0", "n1"])]
     assert notes and "n0" in notes[0]
-    from ddtree_ops.units import parse_exec_flags, render_unit
+    from ddtree_ops.artifacts.units import parse_exec_flags, render_unit
     text = render_unit(n1)
     assert "--nnodes 2" in text and "--node-rank 1" in text and "--dist-init-addr 10.0.0.2:20000" in text
     assert parse_exec_flags(text)["budget"] == 16
@@ -139,7 +139,7 @@ def _rewrite(path: Path, members: dict[str, bytes]) -> None:
 
 
 def test_bundle_is_byte_reproducible_and_content_addressed(tmp_path):
-    from ddtree_ops.bundle import build_bundle, open_bundle
+    from ddtree_ops.artifacts.bundle import build_bundle, open_bundle
 
     ps1 = _ps(tmp_path / "one", "repro")
     ps2 = _ps(tmp_path / "two", "repro")  # same content elsewhere, other mtimes
@@ -169,7 +169,7 @@ def test_bundle_is_byte_reproducible_and_content_addressed(tmp_path):
 
 
 def test_tampered_or_truncated_bundle_is_refused_before_any_connection(tmp_path):
-    from ddtree_ops.bundle import build_bundle, open_bundle
+    from ddtree_ops.artifacts.bundle import build_bundle, open_bundle
 
     good = build_bundle(str(_ps(tmp_path, "tamper")), tmp_path / "dist").path
     members = _tar_members(good)
@@ -239,8 +239,8 @@ def test_tampered_or_truncated_bundle_is_refused_before_any_connection(tmp_path)
 @pytest.fixture(scope="module")
 def fleet(sandbox):
     """The 4 sandbox hosts, each deployable (reset only the ones that are not)."""
-    from ddtree_ops.inventory import load_inventory
-    from ddtree_ops.status import collect_status
+    from ddtree_ops.config.inventory import load_inventory
+    from ddtree_ops.fleet.status import collect_status
 
     names = [h.name for h in sandbox.hosts()]
     if len(names) < 4:
@@ -355,7 +355,7 @@ def test_one_host_down_is_a_status_row_and_fails_only_itself_within_the_budget(f
     assert not rows["sbx4"]["reachable"] and rows["sbx4"]["reason"]
     assert all(rows[n]["reachable"] for n in ("sbx1", "sbx2", "sbx3"))
 
-    from ddtree_ops.bundle import build_bundle
+    from ddtree_ops.artifacts.bundle import build_bundle
     b = build_bundle(str(_ps(tmp_path, "down")), tmp_path / "dist")
     t0 = time.monotonic()
     r = run_cli("deploy", "-i", inv, "--bundle", str(b.path), "--max-fail", "25%", "--yes", "--json")

@@ -7,9 +7,9 @@ import re
 import pytest
 import yaml
 
+from ddtree_ops.config.inventory import load_inventory, parse_inventory, with_overrides
+from ddtree_ops.config.redaction import SECRET_FLAGS
 from ddtree_ops.errors import InputError, InventoryError
-from ddtree_ops.inventory import load_inventory, parse_inventory, with_overrides
-from ddtree_ops.redaction import SECRET_FLAGS
 from kit import REPO
 
 BASE = {"python": "/opt/v/bin/python", "site_packages": "/opt/v/lib/python3.12/site-packages",
@@ -259,7 +259,7 @@ def test_the_table_snippets_are_valid_once_the_bad_value_is_gone(tmp_path):
 def test_every_host_field_has_one_schema_row_and_every_row_a_host_field():
     from dataclasses import fields as dc_fields
 
-    from ddtree_ops.inventory import HOST_FIELDS, Host
+    from ddtree_ops.config.inventory import HOST_FIELDS, Host
 
     resolved_later = {"name", "groups", "source", "server", "node_rank", "nnodes", "dist_init_addr", "perf_gate"}
     rows = {f.attr or f.name for f in HOST_FIELDS if f.check is not None}
@@ -268,7 +268,7 @@ def test_every_host_field_has_one_schema_row_and_every_row_a_host_field():
 
 
 def test_defaults_come_from_the_table():
-    from ddtree_ops.inventory import HOST_FIELDS
+    from ddtree_ops.config.inventory import HOST_FIELDS
 
     h = inv({"a": {"address": "10.0.0.1"}}).host("a")
     for f in HOST_FIELDS:
@@ -297,8 +297,8 @@ def test_one_range_check_serves_inventory_command_line_and_render(monkeypatch):
     """with_overrides, the render-time re-check and the inventory all go through schema.check_int."""
     from dataclasses import replace
 
-    from ddtree_ops import schema
-    from ddtree_ops.units import render_unit
+    from ddtree_ops.artifacts.units import render_unit
+    from ddtree_ops.config import schema
 
     h = inv({"a": {"address": "10.0.0.1"}}).host("a")
     calls = []
@@ -324,7 +324,7 @@ def test_a_dedicated_state_dir_is_accepted(state_dir):
 
 
 def test_every_system_directory_and_every_folder_above_one_is_refused_as_state_dir():
-    from ddtree_ops.inventory import SYSTEM_DIRS
+    from ddtree_ops.config.inventory import SYSTEM_DIRS
 
     above = {d.rsplit("/", k)[0] or "/" for d in SYSTEM_DIRS for k in range(1, d.count("/") + 1)}
     assert {"/", "/etc", "/usr", "/usr/lib", "/var", "/var/lib", "/tmp", "/run", "/home", "/root", "/opt",

@@ -7,10 +7,10 @@ import dataclasses
 import socket
 import sys
 
-from ddtree_ops.launch_check import launch_line, parse_problems, port_problems, ports_to_check
+from ddtree_ops.artifacts.units import render_unit
+from ddtree_ops.runbook.launch_check import launch_line, parse_problems, port_problems, ports_to_check
 from ddtree_ops.testing.fake_host import fake_hosts
 from ddtree_ops.testing.local_agent import local_agent
-from ddtree_ops.units import render_unit
 
 
 def test_the_launch_line_comes_from_the_rendered_units_exec_start(tmp_path):

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from ddtree_ops.config.redaction import is_secret_flag, is_secret_name, redact
 from ddtree_ops.errors import DeployFailed, HostKeyError, InputError, LockHeldError, RollbackFailed, UnreachableError
-from ddtree_ops.redaction import is_secret_flag, is_secret_name, redact
-from ddtree_ops.results import HostResult, Outcome, failed_result, overall_exit_code
-from ddtree_ops.services import UnitState, parse_main_pid, parse_probe, parse_states, probe_argvs, states_argv
+from ddtree_ops.host.services import UnitState, parse_main_pid, parse_probe, parse_states, probe_argvs, states_argv
+from ddtree_ops.runbook.results import HostResult, Outcome, failed_result, overall_exit_code
 
 
 @pytest.mark.parametrize("text, pid", [
@@ -111,9 +111,10 @@ def _imports(path: Path, package: str) -> set[str]:
 
 
 def test_the_product_has_no_import_cycles_not_even_inside_functions():
-    root = Path(__file__).resolve().parent.parent / "ddtree_ops"
-    files = {("ddtree_ops." + p.stem): p for p in root.glob("*.py") if p.stem != "__init__"}
-    graph = {m: {t for t in _imports(p, "ddtree_ops") if t in files and t != m} for m, p in files.items()}
+    root = Path(__file__).resolve().parent.parent
+    files = {".".join(p.relative_to(root).with_suffix("").parts): p for p in (root / "ddtree_ops").rglob("*.py")
+             if p.stem != "__init__" and "testing" not in p.parts}
+    graph = {m: {t for t in _imports(p, m.rsplit(".", 1)[0]) if t in files and t != m} for m, p in files.items()}
     state: dict[str, int] = {}
     stack: list[str] = []
 
@@ -131,7 +132,7 @@ def test_the_product_has_no_import_cycles_not_even_inside_functions():
     for m in sorted(graph):
         if m not in state:
             visit(m)
-    assert "ddtree_ops.deploy" in graph["ddtree_ops.fleet"]  # the graph is really read
+    assert "ddtree_ops.runbook.deploy" in graph["ddtree_ops.fleet.actions"]  # the graph is really read
 
 
 @pytest.mark.parametrize("flag, secret", [
@@ -161,7 +162,7 @@ def test_the_agent_runs_isolated_without_site_or_pythonpath(tmp_path):
     import os
     import sys
 
-    from ddtree_ops.release_store import agent_argv
+    from ddtree_ops.host.release_store import agent_argv
 
     marker = tmp_path / "ran"
     evil = tmp_path / "evil"
@@ -180,7 +181,7 @@ def test_the_agent_runs_isolated_without_site_or_pythonpath(tmp_path):
 
 
 def test_gpu_apps_from_nvidia_smi_csv_and_which_holders_are_not_ours():
-    from ddtree_ops.gpus import GpuApp, describe, foreign_apps, parse_gpu_apps
+    from ddtree_ops.host.gpus import GpuApp, describe, foreign_apps, parse_gpu_apps
 
     def foreign(apps, procs, ours):
         return [describe(a, procs) for a in foreign_apps(apps, procs, ours)]
@@ -201,7 +202,7 @@ def test_gpu_holders_read_from_a_real_nvidia_smi_tell_the_units_worker_from_an_o
     import json
     from pathlib import Path
 
-    from ddtree_ops.gpus import foreign_apps, parse_gpu_apps
+    from ddtree_ops.host.gpus import foreign_apps, parse_gpu_apps
 
     rec = json.loads((Path(__file__).parent.parent / "bench/results/gpu_nvidia_smi.json").read_text())
     apps = parse_gpu_apps(rec["busy_raw"])

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ddtree_ops.artifacts.patchset import check_sglang_version, load_patchset
 from ddtree_ops.errors import InputError, PatchSetError
-from ddtree_ops.patchset import check_sglang_version, load_patchset
 
 BASE = "71d17803" + "0" * 56
 UTILS = b"def f():\n    return 1\n"

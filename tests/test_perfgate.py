@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from ddtree_ops.errors import InputError
-from ddtree_ops.perfgate import PerfGateSettings, Thresholds, Verdict, compare, format_rows, parse_perf_gate
-from ddtree_ops.workload import (
+from ddtree_ops.gates.perfgate import PerfGateSettings, Thresholds, Verdict, compare, format_rows, parse_perf_gate
+from ddtree_ops.gates.workload import (
     DEFAULT_PROMPTS,
     ERROR_CUTOFF,
     Measurement,
@@ -349,7 +349,7 @@ def test_bad_prompts_files_are_refused_naming_the_line(tmp_path, name, content, 
 
 
 def test_too_long_a_prompt_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr("ddtree_ops.workload.PROMPT_MAX_CHARS", 10)
+    monkeypatch.setattr("ddtree_ops.gates.workload.PROMPT_MAX_CHARS", 10)
     (tmp_path / "p.txt").write_text("short\n" + "x" * 11 + "\n")
     with pytest.raises(InputError, match=r"p.txt line 2: prompt longer than 10 characters"):
         load_prompts(str(tmp_path / "p.txt"))

@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from ddtree_ops.inventory import parse_inventory
-from ddtree_ops.plan import compute_plan, plan_host, read_host
+from ddtree_ops.config.inventory import parse_inventory
+from ddtree_ops.runbook.plan import compute_plan, plan_host, read_host
 from ddtree_ops.testing.fake_host import UPSTREAM_BYTES, UPSTREAM_REL, fake_hosts, fake_inventory
 from fast_kit import PROBE_REL
 

@@ -13,8 +13,8 @@ import threading
 
 import pytest
 
-from ddtree_ops import remote_agent as agent
 from ddtree_ops.errors import UnreachableError
+from ddtree_ops.host import agent
 from ddtree_ops.testing.local_agent import agent_pid, kill_agent, local_agent
 
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from ddtree_ops import report
-from ddtree_ops.report import SOURCE_COLOURS, render_report, step_colour, write_report
+from ddtree_ops.cli import report
+from ddtree_ops.cli.report import SOURCE_COLOURS, render_report, step_colour, write_report
 from kit import STRICT
 
 T0 = 1_780_000_000.0  # the run's start; every step time below is an offset from it

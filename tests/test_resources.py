@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from ddtree_ops import resources
+from ddtree_ops.artifacts import resources
+from ddtree_ops.artifacts.patchset import load_patchset
 from ddtree_ops.errors import InputError
-from ddtree_ops.patchset import load_patchset
 from kit import REPO
 
 

@@ -9,11 +9,11 @@ import dataclasses
 
 import pytest
 
-from ddtree_ops.deploy import deploy_host
 from ddtree_ops.errors import RollbackFailed
-from ddtree_ops.results import Outcome
-from ddtree_ops.rollback import rollback_host
-from ddtree_ops.runbook import DeployOptions
+from ddtree_ops.runbook.deploy import deploy_host
+from ddtree_ops.runbook.phases import DeployOptions
+from ddtree_ops.runbook.results import Outcome
+from ddtree_ops.runbook.rollback import rollback_host
 from ddtree_ops.testing.fake_host import DFLASH_UNIT, FAKE_CRASH, FakeUnit
 
 OPTS = DeployOptions(reconnect_s=5)

@@ -7,10 +7,10 @@ import threading
 
 import pytest
 
+from ddtree_ops.config.inventory import parse_inventory
 from ddtree_ops.errors import EXIT_ERROR, EXIT_NEEDS_PERSON, EXIT_ROLLED_BACK
-from ddtree_ops.inventory import parse_inventory
-from ddtree_ops.results import HostResult, Outcome
-from ddtree_ops.rollout import Rollout, Target
+from ddtree_ops.fleet.rollout import Rollout, Target
+from ddtree_ops.runbook.results import HostResult, Outcome
 from ddtree_ops.testing.fake_host import fake_inventory
 
 

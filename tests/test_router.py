@@ -16,9 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from ddtree_ops.config.inventory import parse_inventory
 from ddtree_ops.errors import DdtreeOpsError, InputError
-from ddtree_ops.inventory import parse_inventory
-from ddtree_ops.router import (
+from ddtree_ops.gates.router import (
     RouterError,
     RouterSettings,
     SmgRouter,
@@ -567,8 +567,8 @@ def test_real_smg_unknown_worker_wrong_key_and_register_timeout(real_smg, monkey
 def test_sandbox_up_router_writes_the_router_section_and_down_stops_it(tmp_path, monkeypatch):
     import yaml
 
-    from ddtree_ops.inventory import load_inventory
-    from ddtree_ops.localproc import pid_alive
+    from ddtree_ops.config.inventory import load_inventory
+    from ddtree_ops.host.localproc import pid_alive
     from ddtree_ops.testing.sandbox import Sandbox, smg
     from kit import _require_sandbox, run_cli
 

@@ -9,7 +9,6 @@ import dataclasses
 
 import pytest
 
-from ddtree_ops.deploy import deploy_host
 from ddtree_ops.errors import (
     CorruptJournal,
     DdtreeOpsError,
@@ -20,13 +19,14 @@ from ddtree_ops.errors import (
     PreflightError,
     RollbackFailed,
 )
-from ddtree_ops.gpus import GpuApp
-from ddtree_ops.journal import journal_problem
-from ddtree_ops.multinode import deploy_server, rollback_server
-from ddtree_ops.results import Outcome
-from ddtree_ops.rollback import rollback_host
-from ddtree_ops.rollout import Target
-from ddtree_ops.runbook import DeployOptions
+from ddtree_ops.fleet.multinode import deploy_server, rollback_server
+from ddtree_ops.fleet.rollout import Target
+from ddtree_ops.host.gpus import GpuApp
+from ddtree_ops.host.journal import journal_problem
+from ddtree_ops.runbook.deploy import deploy_host
+from ddtree_ops.runbook.phases import DeployOptions
+from ddtree_ops.runbook.results import Outcome
+from ddtree_ops.runbook.rollback import rollback_host
 from ddtree_ops.testing.fake_host import (
     DFLASH_UNIT,
     FAKE_CRASH,

@@ -12,9 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from ddtree_ops.config.inventory import load_inventory
 from ddtree_ops.errors import HostKeyError
-from ddtree_ops.inventory import load_inventory
-from ddtree_ops.transport import connect
+from ddtree_ops.host.transport import connect
 from kit import run_cli
 
 DFLASH = "sglang-k26-dflash-cg.service"
@@ -117,7 +117,7 @@ def test_readiness_timeline_is_refused_then_503_then_200(fresh_host, tmp_path):
     h = th.host
     from dataclasses import replace
 
-    from ddtree_ops.units import render_unit
+    from ddtree_ops.artifacts.units import render_unit
     unit = render_unit(replace(h, template="sglang-dflash.service.j2"))
     th.ssh(["sh", "-c", f"cat > /etc/systemd/system/{DFLASH}"], stdin=unit)
     th.ssh(["systemctl", "restart", DFLASH])
@@ -155,7 +155,7 @@ def _mounts_mentioning(text: str) -> list[str]:
 
 @pytest.mark.sandbox  # starts its own test hosts
 def test_down_leaves_no_process_namespace_or_mount(tmp_path):
-    from ddtree_ops.localproc import pid_alive
+    from ddtree_ops.host.localproc import pid_alive
     from ddtree_ops.testing.sandbox import Sandbox, _namespace_pids
 
     sb = Sandbox(tmp_path / "own")
@@ -186,7 +186,7 @@ def test_down_leaves_no_process_namespace_or_mount(tmp_path):
 
 @pytest.mark.sandbox  # starts its own test hosts
 def test_up_again_replaces_the_previous_hosts_cleanly(tmp_path):
-    from ddtree_ops.localproc import pid_alive
+    from ddtree_ops.host.localproc import pid_alive
     from ddtree_ops.testing.sandbox import Sandbox
 
     sb = Sandbox(tmp_path / "again")
@@ -250,7 +250,7 @@ def _no_extra_cli(*args: str, cwd) -> subprocess.CompletedProcess:
         "    return real(name)\n"
         "m.distribution = fake\n"
         "sys.argv[0] = 'ddtree-ops'\n"
-        "from ddtree_ops.cli import main\n"
+        "from ddtree_ops.cli.commands import main\n"
         "main()\n"
     )
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=cwd,

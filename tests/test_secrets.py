@@ -20,14 +20,15 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from ddtree_ops.deploy import deploy_host, describe_failure
+from ddtree_ops.artifacts.units import render_unit, secret_flags_in_exec
+from ddtree_ops.config.inventory import parse_inventory
+from ddtree_ops.config.redaction import MASK, SECRET_NAME_WORDS, is_secret_name, redact, scrub, scrub_lines
 from ddtree_ops.errors import DeployFailed, InputError, InventoryError, PreflightError
-from ddtree_ops.health import wait_until_serving
-from ddtree_ops.inventory import parse_inventory
-from ddtree_ops.redaction import MASK, SECRET_NAME_WORDS, is_secret_name, redact, scrub, scrub_lines
-from ddtree_ops.results import HostResult, Outcome
-from ddtree_ops.runbook import DeployOptions, StepFailed
-from ddtree_ops.services import UnitProbe
+from ddtree_ops.gates.health import wait_until_serving
+from ddtree_ops.host.services import UnitProbe
+from ddtree_ops.runbook.deploy import deploy_host, describe_failure
+from ddtree_ops.runbook.phases import DeployOptions, StepFailed
+from ddtree_ops.runbook.results import HostResult, Outcome
 from ddtree_ops.testing.fake_host import FAKE_CRASH, fake_hosts, fake_inventory
 from ddtree_ops.testing.standin.args import (
     ConfigError,
@@ -37,7 +38,6 @@ from ddtree_ops.testing.standin.args import (
     record_unknown,
     underscore_flags,
 )
-from ddtree_ops.units import render_unit, secret_flags_in_exec
 from kit import DFLASH_INFO, make_patchset, run_cli, upstream_file
 
 KEY = "sk-issue11-" + "7f3a9c"
@@ -229,8 +229,8 @@ def test_describe_failure_scrubs_the_log_tail_and_the_message(monkeypatch):
 
 
 def test_results_and_the_summary_table_mask_secret_fields_again(capsys):
-    from ddtree_ops.rollout import RolloutResult
-    from ddtree_ops.tables import print_rollout
+    from ddtree_ops.cli.tables import print_rollout
+    from ddtree_ops.fleet.rollout import RolloutResult
 
     r = HostResult("h", Outcome.ROLLED_BACK, 3, log=["server_args={'api_key': 'sk-raw'}", "api-key: sk-yaml"])
     assert r.to_dict()["log"] == ["server_args={'api_key': '***'}", "api-key: ***"]

@@ -276,7 +276,7 @@ def test_unknown_flags_are_recorded():
 
 
 def test_recorded_flags_are_masked_with_the_projects_secret_list():
-    from ddtree_ops.redaction import MASK
+    from ddtree_ops.config.redaction import MASK
     from ddtree_ops.testing.standin import masked, record_unknown
 
     extra = record_unknown(["--hf-token", "t0k", "--admin-api-key=k3y", "--db-password", "pw", "--some-secret",

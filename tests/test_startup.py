@@ -1,6 +1,6 @@
 """Start-up phases read from SGLang's own log lines (ddtree_ops/startup.py)."""
 
-from ddtree_ops.startup import Phase, PhaseTracker, phase_of_line
+from ddtree_ops.gates.startup import Phase, PhaseTracker, phase_of_line
 
 LOAD = "[2026-11-30 10:00:01 TP0] Load weight begin. avail mem=94.50 GB"
 # SGLang 0.5.23's own lines (model_runner_components/cuda_graph_setup.py, as the stand-in logs them)

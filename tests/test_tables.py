@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ddtree_ops.results import HostResult, Outcome
-from ddtree_ops.rollout import RolloutResult
-from ddtree_ops.tables import fit, print_history, print_rollout, print_status
+from ddtree_ops.cli.tables import fit, print_history, print_rollout, print_status
+from ddtree_ops.fleet.rollout import RolloutResult
+from ddtree_ops.runbook.results import HostResult, Outcome
 
 LONG_HOST = "sglang-k26-ddtree-node-with-a-long-name-number-0001.cluster.example"
 LONG_MSG = ("deploy failed at wait for weights: sglang-k26-ddtree.service is failed after 41.2 s "
@@ -33,7 +33,7 @@ def test_status_and_history_print_whole_values_when_piped(capsys):
 
 def test_fit_cuts_only_on_a_terminal(monkeypatch):
     assert fit("x" * 100, 10) == "x" * 100
-    monkeypatch.setattr("ddtree_ops.tables.interactive", lambda: True)
+    monkeypatch.setattr("ddtree_ops.cli.tables.interactive", lambda: True)
     assert fit("x" * 100, 10) == "x" * 9 + "…" and fit("short", 10) == "short"
 
 
@@ -51,7 +51,7 @@ def _printed_literally(text: str) -> None:
 
 
 def test_every_table_prints_what_hosts_send_literally(capsys):
-    from ddtree_ops.plan import FileChange, HostPlan
+    from ddtree_ops.runbook.plan import FileChange, HostPlan
 
     remote = EVIL + ESC
     res = RolloutResult("deploy", [HostResult("h1", Outcome.ROLLED_BACK, 3, release=remote, failed_step=remote,
@@ -69,7 +69,7 @@ def test_every_table_prints_what_hosts_send_literally(capsys):
     print_history({"current": remote, "releases": [{"id": remote, "created": 0, "patchset": remote, "budget": 16,
                                                     "topk_cap": 4, "outcome": remote}]})
     _printed_literally(capsys.readouterr().out)
-    from ddtree_ops.tables import print_plan
+    from ddtree_ops.cli.tables import print_plan
 
     plan = HostPlan(host="h1", patchset=remote, patchset_digest="d", budget=16, topk_cap=4, sglang_version=remote,
                     current_release=remote, files=(FileChange("/p", remote, remote, None, "ab" * 32, remote, remote),),
@@ -86,7 +86,7 @@ def test_every_table_prints_what_hosts_send_literally(capsys):
 def test_the_live_progress_table_prints_what_hosts_send_literally():
     from rich.console import Console
 
-    from ddtree_ops.fleetview import LiveProgress
+    from ddtree_ops.cli.liveview import LiveProgress
 
     p = LiveProgress()
     p.rows["h1"] = {"state": EVIL, "msg": EVIL + ESC, "t0": None, "t1": None}
@@ -104,8 +104,8 @@ def test_the_live_progress_table_prints_what_hosts_send_literally():
 def test_the_live_view_shows_each_running_hosts_phase_with_its_own_elapsed_time(monkeypatch):
     from rich.console import Console
 
-    from ddtree_ops import fleetview
-    from ddtree_ops.results import PHASE_EVENT
+    from ddtree_ops.cli import liveview as fleetview
+    from ddtree_ops.runbook.results import PHASE_EVENT
 
     now = [100.0]
     monkeypatch.setattr(fleetview.time, "monotonic", lambda: now[0])
@@ -130,8 +130,8 @@ def test_the_live_view_shows_each_running_hosts_phase_with_its_own_elapsed_time(
 
 
 def test_the_performance_gate_shows_in_the_rollout_table_with_its_rows_and_in_status_and_history(capsys):
-    from ddtree_ops.perfgate import compare
-    from ddtree_ops.workload import Measurement
+    from ddtree_ops.gates.perfgate import compare
+    from ddtree_ops.gates.workload import Measurement
 
     def m(tps: float) -> Measurement:
         return Measurement(requests=20, errors=0, output_tokens=int(tps * 10), wall_s=10.0, ttft_p50_s=0.05,

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import pytest
 
-from ddtree_ops import traffic
-from ddtree_ops.deploy import deploy_host
 from ddtree_ops.errors import DeployFailed, PreflightError
-from ddtree_ops.results import Outcome
-from ddtree_ops.rollback import rollback_host
-from ddtree_ops.runbook import DeployOptions
+from ddtree_ops.gates.workload import Measurement
+from ddtree_ops.runbook import traffic
+from ddtree_ops.runbook.deploy import deploy_host
+from ddtree_ops.runbook.phases import DeployOptions
+from ddtree_ops.runbook.results import Outcome
+from ddtree_ops.runbook.rollback import rollback_host
 from ddtree_ops.testing.fake_host import DFLASH_UNIT, fake_hosts
 from ddtree_ops.testing.fake_router import FakeSmg
-from ddtree_ops.workload import Measurement
 
 ROUTER = {"url": "http://router.test:30000", "admin_key_env": "DDTREE_TEST_ROUTER_KEY"}
 GATE = {"duration_s": 1, "min_requests": 1}

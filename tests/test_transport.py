@@ -12,9 +12,9 @@ import time
 
 import pytest
 
+from ddtree_ops.config.inventory import parse_inventory
 from ddtree_ops.errors import UnreachableError
-from ddtree_ops.inventory import parse_inventory
-from ddtree_ops.transport import HostConnection, connect_kwargs_for
+from ddtree_ops.host.transport import HostConnection, connect_kwargs_for
 
 
 def _host(tmp_path, port: int = 22, timeout: float = 0.5):

@@ -10,10 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from ddtree_ops import units
-from ddtree_ops.errors import InputError
-from ddtree_ops.inventory import load_inventory, parse_inventory
-from ddtree_ops.units import (
+from ddtree_ops.artifacts import units
+from ddtree_ops.artifacts.units import (
     UnitVerifyError,
     parse_exec_flags,
     render_unit,
@@ -22,6 +20,8 @@ from ddtree_ops.units import (
     verify_command,
     verify_unit,
 )
+from ddtree_ops.config.inventory import load_inventory, parse_inventory
+from ddtree_ops.errors import InputError
 
 REPO = Path(__file__).resolve().parent.parent
 needs_systemd_analyze = pytest.mark.skipif(
@@ -380,9 +380,9 @@ def test_parse_exec_flags_skips_unreadable_values():
 ])
 def test_a_template_cannot_call_into_python(tmp_path, body):
     """Templates may come from someone else's bundle and render on the operator's machine."""
-    from ddtree_ops.inventory import parse_inventory
+    from ddtree_ops.artifacts.units import render_unit
+    from ddtree_ops.config.inventory import parse_inventory
     from ddtree_ops.testing.fake_host import fake_inventory
-    from ddtree_ops.units import render_unit
 
     (tmp_path / "evil.j2").write_text("[Service]\nExecStart=/bin/true " + body + "\n")
     host = parse_inventory(fake_inventory(1, template="evil.j2"), "inv.yaml").hosts["fh1"]

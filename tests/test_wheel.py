@@ -165,7 +165,7 @@ def test_the_wheel_carries_templates_and_patch_sets_and_no_bytecode(wheel, src):
 
 
 def test_the_checkout_itself_reads_its_top_level_folders():
-    from ddtree_ops import resources
+    from ddtree_ops.artifacts import resources
 
     assert resources.origin() == "checkout"
     assert resources.templates_dir() == REPO / "templates" and resources.patches_dir() == REPO / "patches"
@@ -196,7 +196,7 @@ def test_the_installed_wheel_gives_the_same_bytes_as_the_checkout(installed, tmp
     checkout_tool = Path(sys.executable).parent / "ddtree-ops"  # this venv's (the editable checkout install)
     assert checkout_tool.is_file()
 
-    probe = ("import ddtree_ops, ddtree_ops.resources as r; "
+    probe = ("import ddtree_ops, ddtree_ops.artifacts.resources as r; "
              "print(ddtree_ops.__file__); print(r.origin()); print(r.templates_dir()); print(r.patches_dir())")
     file_, origin, tdir, pdir = run([py, "-c", probe], cwd, wheel_env).stdout.decode().split("\n")[:4]
     assert Path(file_).parent == site / "ddtree_ops" and origin == "wheel"
@@ -225,7 +225,7 @@ def test_an_editable_install_reads_the_checkout_folders(tmp_path):
     hook = "import sys; from setuptools import build_meta as b; print(b.build_editable(sys.argv[1]))"
     name = run([sys.executable, "-c", hook, dist], cwd=src).stdout.decode().strip().splitlines()[-1]
     py, _ = _fresh_venv(tmp_path, dist / name, package_dir=src / "ddtree_ops")
-    probe = ("import ddtree_ops, ddtree_ops.resources as r; "
+    probe = ("import ddtree_ops, ddtree_ops.artifacts.resources as r; "
              "print(ddtree_ops.__file__); print(r.origin()); print(r.templates_dir()); print(r.patches_dir())")
     cwd = tmp_path / "elsewhere"
     cwd.mkdir()

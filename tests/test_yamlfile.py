@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import yaml
 
+from ddtree_ops.artifacts.patchset import load_patchset
+from ddtree_ops.config.inventory import load_inventory
+from ddtree_ops.config.yamlfile import YamlProblem, load_yaml
 from ddtree_ops.errors import InventoryError, PatchSetError
-from ddtree_ops.inventory import load_inventory
-from ddtree_ops.patchset import load_patchset
-from ddtree_ops.yamlfile import YamlProblem, load_yaml
 from kit import REPO
 
 

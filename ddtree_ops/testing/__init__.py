@@ -5,7 +5,7 @@ stand-in SGLang server they run (`ddtree_ops.testing.standin`) and the `sandbox`
 The test hosts need the `sandbox` extra (docker-systemctl-replacement):
 `pip install 'ddtree-ops[sandbox]'`, or from a checkout `pip install -e '.[sandbox]'`.
 
-Kept light: `ddtree_ops.cli` imports this module to decide whether to offer the sandbox commands,
+Kept light: `ddtree_ops.cli.commands` imports this module to decide whether to offer the sandbox commands,
 and the stand-in server imports it on every test host.
 """
 

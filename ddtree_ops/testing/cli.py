@@ -1,13 +1,13 @@
 """`ddtree-ops sandbox up|status|down`: local test hosts from the command line.
 
-Mounted by `ddtree_ops.cli` when the `sandbox` extra is installed.
+Mounted by `ddtree_ops.cli.commands` when the `sandbox` extra is installed.
 """
 
 from __future__ import annotations
 
 import typer
 
-from ddtree_ops.cli_common import emit_json, guard
+from ddtree_ops.cli.common import emit_json, guard
 from ddtree_ops.errors import EXIT_ERROR
 
 sandbox_app = typer.Typer(help="Local test hosts (network namespaces with sshd, systemctl and SGLang files).",
@@ -98,7 +98,7 @@ def _print_router(sb, router: dict | None = None) -> None:
 def _print_sandbox(rows: list[dict]) -> None:
     from rich.table import Table
 
-    from ..tables import console, fit
+    from ..cli.tables import console, fit
 
     t = Table("host", "address", "sshd", "ssh", "active unit", "/health", "site-packages")
     for r in rows:

@@ -2,7 +2,7 @@
 
 It offers what a `HostSession` offers (`store`, `services`, `http()`, `sleep`, `reconnect`):
 
-* the release store is the REAL remote agent (`ddtree_ops.remote_agent`), called in-process
+* the release store is the REAL remote agent (`ddtree_ops.host.agent`), called in-process
   instead of over SSH, with every host path mapped into a private folder standing for the host's
   root. Backups, atomic installs, restores, the lock and the journal therefore behave exactly as
   on a host; only `verify_unit` is answered here (no systemd-analyze run).
@@ -30,14 +30,14 @@ from typing import Any, Callable
 
 import httpx
 
+from ..config.inventory import Host, parse_inventory
 from ..errors import RemoteCommandError, UnreachableError
-from ..gpus import GpuApp, of_our_units
-from ..health import http_client
-from ..inventory import Host, parse_inventory
-from ..release_store import ReleaseStore, answer_result
-from ..remote_agent import Agent
-from ..router import SmgRouter
-from ..services import UnitProbe, UnitState
+from ..gates.health import http_client
+from ..gates.router import SmgRouter
+from ..host.agent import Agent
+from ..host.gpus import GpuApp, of_our_units
+from ..host.release_store import ReleaseStore, answer_result
+from ..host.services import UnitProbe, UnitState
 from .fake_router import FakeSmg
 
 FAKE_CRASH = b"FAKE_CRASH"  # a shipped module with this marker kills the server while it loads

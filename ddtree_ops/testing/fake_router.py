@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from ddtree_ops.router import normalize_url
+from ddtree_ops.gates.router import normalize_url
 
 
 class FakeSmg:

@@ -10,10 +10,10 @@ import os
 
 import pytest
 
-from ddtree_ops.launch_check import launch_line
+from ddtree_ops.artifacts.units import render_unit
+from ddtree_ops.runbook.launch_check import launch_line
 from ddtree_ops.testing.fake_host import fake_hosts
 from ddtree_ops.testing.local_agent import local_agent
-from ddtree_ops.units import render_unit
 from sglang_env import PY, need_venv
 
 pytestmark = pytest.mark.sglang

@@ -13,8 +13,8 @@ import shlex
 
 import pytest
 
-from ddtree_ops import units
-from ddtree_ops.inventory import load_inventory
+from ddtree_ops.artifacts import units
+from ddtree_ops.config.inventory import load_inventory
 from sglang_env import REPO, run_sglang
 
 pytestmark = pytest.mark.sglang

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from ddtree_ops.inventory import Host
+from ddtree_ops.config.inventory import Host
 
 from .boot import BOOT_SCRIPT, boot_script
 from .layout import (
@@ -150,7 +150,7 @@ def _prepare_host_files(h: SandboxHost, host: Host, client_pub: Path,
                         host_key: dict[str, bytes] | None = None) -> str:
     """(Re)create HOST_DIR in the state before a DDTree deploy; returns the known_hosts line.
     `host_key` (file name → bytes) keeps the host's key across a reset."""
-    from ddtree_ops.units import render_unit
+    from ddtree_ops.artifacts.units import render_unit
 
     d = Path(h.dir)
     shutil.rmtree(d, ignore_errors=True)

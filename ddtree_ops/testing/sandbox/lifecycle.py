@@ -12,8 +12,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ddtree_ops.inventory import load_inventory
-from ddtree_ops.localproc import pid_alive
+from ddtree_ops.config.inventory import load_inventory
+from ddtree_ops.host.localproc import pid_alive
 
 from . import smg
 from .boot import boot
@@ -185,7 +185,7 @@ class Sandbox:
         """
         import httpx
 
-        from ddtree_ops.transport import connect
+        from ddtree_ops.host.transport import connect
 
         if self._load_state() is None:
             raise SandboxError(f"no sandbox in {self.dir} (run `ddtree-ops sandbox up --dir {self.dir}`)")

@@ -9,7 +9,7 @@ import socket
 import time
 from pathlib import Path
 
-from ddtree_ops.localproc import pid_alive
+from ddtree_ops.host.localproc import pid_alive
 
 from .errors import SandboxError
 from .layout import DFLASH_UNIT, SandboxHost

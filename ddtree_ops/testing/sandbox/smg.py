@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ddtree_ops.localproc import pid_alive, start_time
+from ddtree_ops.host.localproc import pid_alive, start_time
 
 from .errors import SandboxError
 from .system import SYSTEM_PATH

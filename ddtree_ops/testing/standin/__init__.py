@@ -39,9 +39,9 @@ ends in "unrecognized arguments: --api_key K"), and the first log line is SGLang
 ``server_args={...}`` with every value in clear, the API key included (``args.logged_server_args``;
 SGLang hides only its watermark keys), so tests can prove that the controller hides it. The
 stand-in's own lines (recorded flags) and ``/server_info`` mask secret-named values
-(``ddtree_ops.redaction``).
+(``ddtree_ops.config.redaction``).
 
-Needs only the standard library and ``ddtree_ops.redaction`` (PyYAML with ``--config``, as
+Needs only the standard library and ``ddtree_ops.config.redaction`` (PyYAML with ``--config``, as
 SGLang); torch is imported lazily, on the DDTree path only.
 
 Modules, by concern:

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ddtree_ops.redaction import MASK, is_secret_name
+from ddtree_ops.config.redaction import MASK, is_secret_name
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,7 +125,7 @@ def record_unknown(unknown: list[str]) -> dict[str, Any]:
 
 def masked(extra: dict[str, Any]) -> dict[str, Any]:
     """`extra` (from `record_unknown`) with the values of secret-named flags (the project's one
-    list, `ddtree_ops.redaction`) replaced by ***; a bare switch shows as given."""
+    list, `ddtree_ops.config.redaction`) replaced by ***; a bare switch shows as given."""
     return {k: (MASK if is_secret_name(k) and v is not True else v) for k, v in extra.items()}
 
 

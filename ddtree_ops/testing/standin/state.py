@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ddtree_ops.redaction import MASK
+from ddtree_ops.config.redaction import MASK
 
 from .args import masked
 from .logs import log

@@ -1,0 +1,474 @@
+"""The `ddtree-ops` command: parse, call the library, print. Nothing else lives here.
+
+Exit codes (also in the README):
+  0 ok · 2 bad input or preflight refusal (nothing changed) · 3 deploy failed, host rolled back
+  and healthy · 4 deploy and rollback failed: a person must look · 5 deploy lock held
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from typing import Optional
+
+import typer
+
+from ..errors import EXIT_BAD_INPUT, EXIT_ERROR, DdtreeOpsError, InputError
+from ..testing import SANDBOX_EXTRA_HINT, sandbox_extra_installed
+from .common import emit_json as _emit_json
+from .common import guard as _guard
+from .common import log as _log
+
+EXIT_CODES_HELP = (
+    "Exit codes: 0 ok; 2 bad input or preflight refusal (nothing changed); 3 deploy failed and "
+    "the host is back on its previous release, healthy; 4 deploy failed and the rollback failed "
+    "too (a person must look); 5 deploy lock held by someone else."
+)
+
+app = typer.Typer(help="Deploy the temperature-aware DDTree modules to SGLang hosts. " + EXIT_CODES_HELP,
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# sandbox: the test rig's commands (ddtree_ops.testing.cli), offered when the `sandbox` extra is
+# installed; without it, `sandbox up|status|down` say how to get it and exit 2.
+
+if sandbox_extra_installed():
+    from ..testing.cli import sandbox_app
+else:
+    sandbox_app = typer.Typer(help="Local test hosts: needs the `sandbox` extra.", no_args_is_help=True)
+
+    def _sandbox_extra_missing() -> None:
+        _log(f"error: {SANDBOX_EXTRA_HINT}")
+        raise typer.Exit(EXIT_BAD_INPUT)
+
+    for _name in ("up", "status", "down"):
+        sandbox_app.command(_name, help="Needs the `sandbox` extra.", add_help_option=False,
+                            context_settings={"ignore_unknown_options": True, "allow_extra_args": True}
+                            )(_sandbox_extra_missing)
+app.add_typer(sandbox_app, name="sandbox")
+
+
+# ---------------------------------------------------------------------------------------------
+# render / plan / deploy / rollback / history
+
+INVENTORY_OPT = typer.Option(..., "--inventory", "-i", envvar="DDTREE_OPS_INVENTORY",
+                              help="Inventory file (or $DDTREE_OPS_INVENTORY). No default: name production explicitly.")
+LIMIT_OPT = typer.Option(None, "--limit", "-l", help="Host names, group names or globs, comma-separated.")
+DEFAULT_PATCHSET = "ddtree-temp"
+PATCHSET_OPT = typer.Option(None, "--patchset", "-p",
+                            help=f"A name under patches/ or a patch-set folder (default {DEFAULT_PATCHSET}).")
+BREAK_LOCK_OPT = typer.Option(
+    [], "--break-lock", metavar="TOKEN",
+    help="End the hold of a run that is still connected: the token its lock message shows (repeatable). A run "
+         "that was killed or lost its connection needs nothing: its lock is already free.")
+BUNDLE_OPT = typer.Option(None, "--bundle", help="A release bundle (ddtree-ops bundle); verified before use, and "
+                                                   "its signature <bundle>.sig when the inventory sets bundle_signers.")
+EXPECT_ID_OPT = typer.Option(None, "--expect-id", metavar="ID",
+                             help="With --bundle: refuse it (exit 2) unless its id, or the sha256 of the file "
+                                  "(64 hex digits), is ID.")
+
+
+def _hosts(inventory: str, limit: Optional[str], budget: Optional[int] = None, topk_cap: Optional[int] = None):
+    from ..config.inventory import load_inventory, with_overrides
+
+    inv = load_inventory(inventory)
+    return [with_overrides(h, budget=budget, topk_cap=topk_cap) for h in inv.select(limit)]
+
+
+@app.command()
+def render(
+    host: str = typer.Option(..., "--host", help="Host name in the inventory."),
+    inventory: str = INVENTORY_OPT,
+    budget: Optional[int] = typer.Option(None, "--budget", help="Draft nodes per step, root excluded (1..1024)."),
+    topk_cap: Optional[int] = typer.Option(None, "--topk-cap", help="Candidates per depth (1..budget)."),
+    verify: bool = typer.Option(True, "--verify/--no-verify", help="Check with systemd-analyze verify (locally)."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
+):
+    """Print the systemd unit ddtree-ops would write for HOST. Connects to nothing."""
+    from ..artifacts.units import render_unit, verify_unit
+    from ..config.inventory import load_inventory, with_overrides
+
+    def body():
+        h = with_overrides(load_inventory(inventory).host(host), budget=budget, topk_cap=topk_cap)
+        text = render_unit(h)
+        if verify:
+            verify_unit(text, h.unit, check_executables=False)
+        if as_json:
+            _emit_json({"ok": True, "host": h.name, "unit": h.unit, "path": h.unit_path, "verified": verify,
+                        "text": text})
+        else:
+            sys.stdout.write(text)
+    _guard(body, as_json=as_json)
+
+
+def _load_ps(patchset: str | None):
+    from ..artifacts.patchset import load_patchset
+
+    return load_patchset(patchset or DEFAULT_PATCHSET)
+
+
+@contextlib.contextmanager
+def _source(patchset: str | None, bundle: str | None, hosts, *, expect_id: str | None = None,
+            unsigned_patchset: bool = True, allow_unsigned: bool = False):
+    """(patch set, opened bundle or None) for the selected `hosts`, everything checked before any
+    connection: a bundle is verified completely (caps, names, hashes, id, `--expect-id`, and its
+    signature against the hosts' `bundle_signers`) and every host's unit renders from its
+    templates; a refusal is exit 2. The bundle's temp folder is removed when the block ends,
+    however it ends (Ctrl-C included). `unsigned_patchset`: whether a --patchset may be used
+    where the inventory requires signed bundles (deploy: only with --allow-unsigned)."""
+    from ..errors import BundleError, InputError
+
+    if bundle and patchset:
+        raise InputError("give either --bundle or --patchset, not both")
+    if expect_id is not None and not bundle:
+        raise InputError("--expect-id checks a bundle: give --bundle too")
+    policies = list(dict.fromkeys(h.bundle_signers for h in hosts if h.bundle_signers is not None))
+    if not bundle:
+        if not (unsigned_patchset or allow_unsigned) and any(pol.required for pol in policies):
+            strict = sorted(h.name for h in hosts if h.bundle_signers and h.bundle_signers.required)
+            raise InputError(f"{', '.join(strict[:5])}{' …' if len(strict) > 5 else ''}: the inventory requires "
+                             f"signed bundles (bundle_signers.required): deploy a signed --bundle, or pass "
+                             f"--allow-unsigned to deploy the unsigned patch set {patchset or DEFAULT_PATCHSET}")
+        if allow_unsigned and any(pol.required for pol in policies):
+            _log(f"warning: --allow-unsigned: deploying the unsigned patch set {patchset or DEFAULT_PATCHSET} "
+                 f"although the inventory requires signed bundles")
+        yield _load_ps(patchset), None
+        return
+    if allow_unsigned:
+        raise InputError("--allow-unsigned is for --patchset only: a bundle is always checked against the "
+                         "inventory's bundle_signers")
+    from ..artifacts.bundle import open_bundle
+    from ..artifacts.units import render_unit
+
+    with open_bundle(bundle, expect_id=expect_id, signers=policies) as b:
+        signed = f", {'; '.join(b.signed_by)}" if b.signed_by else (", not signed" if policies else "")
+        _log(f"bundle {b.id} verified ({len(b.manifest['files'])} files, sha256 {b.sha256[:16]}…{signed})")
+        for h in hosts:  # a template from someone else's bundle is refused here, not on a host
+            try:
+                render_unit(h, b.templates_dir)
+            except InputError as e:
+                msg = str(e).replace(str(b.templates_dir), "templates")
+                raise BundleError(" ".join(f"bundle {b.path}: host {h.name}: {msg}".split())) from None
+        yield b.patchset, b
+
+
+@app.command()
+def plan(
+    inventory: str = INVENTORY_OPT,
+    limit: Optional[str] = LIMIT_OPT,
+    patchset: Optional[str] = PATCHSET_OPT,
+    bundle: Optional[str] = BUNDLE_OPT,
+    expect_id: Optional[str] = EXPECT_ID_OPT,
+    budget: Optional[int] = typer.Option(None, "--budget"),
+    topk_cap: Optional[int] = typer.Option(None, "--topk-cap"),
+    force: bool = typer.Option(False, "--force", help="Treat drifted files as replaceable."),
+    accept_new_host_keys: bool = typer.Option(False, "--accept-new-host-keys"),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Per host, what deploy would change (files, unit diff, units to stop/restart). Changes nothing."""
+    from ..host.session import session_to
+    from ..runbook.plan import plan_host
+    from .tables import print_plan
+
+    def body():
+        hosts = _hosts(inventory, limit, budget, topk_cap)
+        with _source(patchset, bundle, hosts, expect_id=expect_id) as (ps, b):
+            return plan_body(ps, b, hosts)
+
+    def plan_body(ps, b, hosts):
+        tdir = str(b.templates_dir) if b else None
+        plans, errors = [], []
+        for h in hosts:
+            try:
+                with session_to(h, accept_new_host_keys=accept_new_host_keys) as session:
+                    plans.append(plan_host(session, ps, force=force, templates_dir=tdir))
+            except DdtreeOpsError as e:
+                errors.append({"host": h.name, "error": type(e).__name__, "message": str(e), "exit_code": e.exit_code})
+        if as_json:
+            code = max([e["exit_code"] for e in errors] or [2 if any(p.refusals for p in plans) else 0])
+            _emit_json({"ok": code == 0, "exit_code": code, "patchset": ps.label, "bundle": b.id if b else None,
+                        "bundle_sha256": b.sha256 if b else None,
+                        "plans": [p.to_dict() for p in plans], "errors": errors})
+        else:
+            for p in plans:
+                print_plan(p)
+            for e in errors:
+                _log(f"error: {e['message']}")
+        if errors:
+            return max(e["exit_code"] for e in errors)
+        return 2 if any(p.refusals for p in plans) else 0
+    _guard(body, as_json=as_json)
+
+
+def _print_rollout(res, as_json: bool, extra: dict | None = None, report: str | None = None) -> int:
+    """The summary: one JSON document, or a table on stdout (log excerpts after it); and the
+    HTML report when asked for (written whatever the outcome: a failed rollout needs it most)."""
+    doc = {**res.to_dict(), **(extra or {})}
+    if report:
+        from .report import write_report
+
+        write_report(report, doc)
+        sys.stderr.write(f"report written to {report}\n")
+    if as_json:
+        _emit_json(doc)
+    else:
+        from .tables import print_rollout
+
+        print_rollout(res)
+    return res.exit_code
+
+
+def _report_path(report: Optional[str]) -> Optional[str]:
+    """--report FILE.html, checked before anything connects: its folder must exist and be writable."""
+    if report is None:
+        return None
+    folder = os.path.dirname(os.path.abspath(report))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise InputError(f"--report {report}: the folder {folder} does not exist or is not writable")
+    if os.path.isdir(report):
+        raise InputError(f"--report {report}: is a folder; give a file name such as rollout.html")
+    return report
+
+
+REPORT_OPT = typer.Option(None, "--report", metavar="FILE.html",
+                          help="Also write a self-contained HTML report: per-host phase timeline, the performance "
+                               "gate's figures, the summary.")
+
+
+def _asker(progress):
+    """A yes/no question to the operator from a worker thread (a marginal performance verdict):
+    one at a time, with the live view paused while it waits."""
+    import threading
+
+    lock = threading.Lock()
+
+    def ask(question: str) -> bool:
+        with lock:
+            progress.pause()
+            try:
+                return typer.confirm(question, default=False, err=True)
+            except (typer.Abort, EOFError):
+                return False
+            finally:
+                progress.resume()
+    return ask
+
+
+def _confirm(yes: bool, question: str) -> None:
+    """Ask only on an interactive terminal without --yes; CI (stdin not a TTY) is never asked."""
+    if not yes and sys.stdin.isatty():
+        if not typer.confirm(question):
+            raise typer.Exit(1)
+
+
+def _targets(inventory: str, limit: Optional[str], budget: Optional[int] = None, topk_cap: Optional[int] = None):
+    from ..config.inventory import load_inventory, with_overrides
+    from ..fleet.rollout import Target, make_targets
+
+    inv = load_inventory(inventory)
+    selected = [with_overrides(h, budget=budget, topk_cap=topk_cap) for h in inv.select(limit)]
+    targets, notes = make_targets(inv, selected)
+    if budget is not None or topk_cap is not None:  # nodes added to a partly selected server get them too
+        targets = [Target(t.name, tuple(with_overrides(h, budget=budget, topk_cap=topk_cap) for h in t.hosts))
+                   for t in targets]
+    return targets, notes
+
+
+ROLLOUT_HELP = ("Targets (hosts; a multi-node server counts as one) run as: --canary N first, then batches of "
+                "--batch N|P% in parallel (at most --forks at once); the rollout stops when the failed targets "
+                "exceed --max-fail P% of those attempted, and an aborted rollout rolls back what it updated "
+                "(--keep-updated to keep it).")
+
+
+@app.command(help="Ship the patch set: preflight, backup, atomic install, unit, restart, wait, health gate, "
+                  "commit. Any failure after the first change rolls the host back by itself. " + ROLLOUT_HELP)
+def deploy(
+    inventory: str = INVENTORY_OPT,
+    limit: Optional[str] = LIMIT_OPT,
+    patchset: Optional[str] = PATCHSET_OPT,
+    bundle: Optional[str] = BUNDLE_OPT,
+    expect_id: Optional[str] = EXPECT_ID_OPT,
+    allow_unsigned: bool = typer.Option(False, "--allow-unsigned",
+                                        help="With --patchset: deploy it although the inventory's bundle_signers "
+                                             "require signed bundles."),
+    budget: Optional[int] = typer.Option(None, "--budget", help="Draft nodes per step, root excluded (1..1024)."),
+    topk_cap: Optional[int] = typer.Option(None, "--topk-cap", help="Candidates per depth (1..budget)."),
+    canary: int = typer.Option(1, "--canary", help="Targets deployed first; any failure there aborts the rollout."),
+    batch: Optional[str] = typer.Option(None, "--batch", help="Targets per batch after the canary: N or P% "
+                                                                "(default: all the rest at once)."),
+    max_fail: str = typer.Option("0%", "--max-fail", help="Abort when failed targets EXCEED this share of those "
+                                                          "attempted (Ansible's max_fail_percentage)."),
+    forks: int = typer.Option(10, "--forks", help="Parallel workers (SSH connections) at most."),
+    keep_updated: bool = typer.Option(False, "--keep-updated",
+                                      help="On abort, leave updated hosts on the new release."),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout; logs on stderr."),
+    no_rollback: bool = typer.Option(False, "--no-rollback", help="On failure leave the host as is (exit 4)."),
+    force: bool = typer.Option(False, "--force", help="Replace files that drifted from what we expect."),
+    break_lock: list[str] = BREAK_LOCK_OPT,
+    accept_new_host_keys: bool = typer.Option(False, "--accept-new-host-keys",
+                                              help="Record unknown host keys (never changed ones)."),
+    deadline: Optional[float] = typer.Option(None, "--deadline",
+                                             help="Seconds to wait for weight loading (default: inventory)."),
+    perf_gate: Optional[bool] = typer.Option(None, "--perf-gate/--no-perf-gate",
+                                             help="Gate each host on speed: the inventory's perf_gate workload "
+                                                  "before the change (baseline) and after (canary), and against a "
+                                                  "host not yet updated (default: the inventory's perf_gate.enabled)."),
+    accept_marginal: bool = typer.Option(False, "--accept-marginal",
+                                         help="A marginal performance verdict passes (otherwise it asks on a "
+                                              "terminal and fails without one)."),
+    report: Optional[str] = REPORT_OPT,
+):
+    from ..fleet.actions import rolling_deploy
+    from ..fleet.rollout import parse_percent, plan_batches
+    from ..runbook.phases import DeployOptions
+    from .liveview import make_progress
+
+    def body():
+        _report_path(report)
+        targets, notes = _targets(inventory, limit, budget, topk_cap)
+        parse_percent(max_fail)
+        plan_batches(len(targets), canary=canary, batch=batch)  # bad --batch/--canary: exit 2 before connecting
+        hosts = [h for t in targets for h in t.hosts]
+        with _source(patchset, bundle, hosts, expect_id=expect_id, unsigned_patchset=False,
+                     allow_unsigned=allow_unsigned) as (ps, b):
+            return deploy_body(ps, b, targets, notes)
+
+    def deploy_body(ps, b, targets, notes):
+        _confirm(yes, f"Deploy {ps.label}{' (bundle ' + b.id + ')' if b else ''} to "
+                      f"{', '.join(t.name for t in targets)}?")
+        opts = DeployOptions(force=force, break_tokens=tuple(break_lock), no_rollback=no_rollback,
+                             command=" ".join(["ddtree-ops", *sys.argv[1:]])[:500], deadline_s=deadline,
+                             bundle_id=b.id if b else None, templates_dir=str(b.templates_dir) if b else None,
+                             perf_gate=perf_gate, marginal="accept" if accept_marginal else "fail")
+        progress = make_progress()
+        if not accept_marginal and sys.stdin.isatty():
+            opts.marginal, opts.ask = "ask", _asker(progress)
+        res = rolling_deploy(targets, ps, opts, canary=canary, batch=batch, max_fail=max_fail, forks=forks,
+                             keep_updated=keep_updated, accept_new_host_keys=accept_new_host_keys,
+                             progress=progress, notes=notes)
+        return _print_rollout(res, as_json, {"patchset": ps.label, "bundle": b.id if b else None,
+                                             "bundle_sha256": b.sha256 if b else None}, report)
+    _guard(body, as_json=as_json)
+
+
+@app.command()
+def rollback(
+    inventory: str = INVENTORY_OPT,
+    limit: Optional[str] = LIMIT_OPT,
+    to: Optional[str] = typer.Option(None, "--to", help="A release id, or 'original' for the upstream files."),
+    batch: Optional[str] = typer.Option(None, "--batch", help="Targets per batch: N or P% (default: all at once)."),
+    forks: int = typer.Option(10, "--forks", help="Parallel workers (SSH connections) at most."),
+    yes: bool = typer.Option(False, "--yes", "-y"),
+    as_json: bool = typer.Option(False, "--json"),
+    break_lock: list[str] = BREAK_LOCK_OPT,
+    accept_new_host_keys: bool = typer.Option(False, "--accept-new-host-keys"),
+    report: Optional[str] = REPORT_OPT,
+):
+    """Back to the previous release (or --to RELEASE|original), with the same restart and health gate,
+    over the same selection as deploy (multi-node servers as a whole)."""
+    from ..fleet.actions import rolling_rollback
+    from ..fleet.rollout import plan_batches
+    from ..runbook.phases import DeployOptions
+    from .liveview import make_progress
+
+    def body():
+        _report_path(report)
+        targets, notes = _targets(inventory, limit)
+        plan_batches(len(targets), canary=0, batch=batch)
+        _confirm(yes, f"Roll back {', '.join(t.name for t in targets)} to {to or 'the previous release'}?")
+        opts = DeployOptions(break_tokens=tuple(break_lock), command=" ".join(["ddtree-ops", *sys.argv[1:]])[:500])
+        res = rolling_rollback(targets, to, opts, batch=batch, forks=forks, accept_new_host_keys=accept_new_host_keys,
+                               progress=make_progress(), notes=notes)
+        return _print_rollout(res, as_json, report=report)
+    _guard(body, as_json=as_json)
+
+
+@app.command()
+def status(
+    inventory: str = INVENTORY_OPT,
+    limit: Optional[str] = LIMIT_OPT,
+    as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
+    forks: int = typer.Option(10, "--forks", help="Hosts read in parallel at most."),
+    accept_new_host_keys: bool = typer.Option(False, "--accept-new-host-keys"),
+):
+    """Per host, read in parallel: reachable (or why not), release and patch set, budget/topk of the active
+    unit, drift, unit states, /health, avg accept length. Exit 0 when every host is reachable, without drift
+    and healthy; 1 otherwise."""
+    from ..fleet.status import collect_status
+
+    def body():
+        hosts = _hosts(inventory, limit)
+        rows = collect_status(hosts, accept_new_host_keys=accept_new_host_keys, forks=forks)
+        code = 0 if all(r["ok"] for r in rows) else EXIT_ERROR
+        if as_json:
+            _emit_json({"ok": code == 0, "exit_code": code, "hosts": rows})
+            return code
+        from .tables import print_status
+
+        print_status(rows)
+        return code
+    _guard(body, as_json=as_json)
+
+
+@app.command("bundle")
+def bundle_cmd(
+    patchset: str = typer.Option(DEFAULT_PATCHSET, "--patchset", "-p",
+                                 help="A packaged patch set's name (patches/ in a checkout) or a patch-set folder."),
+    out: str = typer.Option("dist", "--out", help="Folder for <id>.tar.gz."),
+    templates: Optional[str] = typer.Option(None, "--templates", help="Unit templates folder (default: templates/)."),
+    sign_key: Optional[str] = typer.Option(None, "--sign-key", metavar="KEY",
+                                           help="Also write <bundle>.sig: ssh-keygen -Y sign -f KEY -n "
+                                                "ddtree-ops-bundle (a private key, or a public key whose private "
+                                                "half is in ssh-agent)."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
+):
+    """Build an immutable release bundle (patch set + templates + manifest with every sha256 and a
+    content-derived id). The same inputs give a byte-identical file."""
+    from ..artifacts.bundle import build_bundle
+
+    def body():
+        b = build_bundle(patchset, out, templates, sign_key=sign_key)
+        sig = str(b.signature) if b.signature else None
+        if as_json:
+            _emit_json({"ok": True, "id": b.id, "path": str(b.path), "sha256": b.sha256, "signature": sig,
+                        "files": b.manifest["files"], "patchset": b.manifest["patchset"]})
+        else:
+            print(f"{b.path}")
+            _log(f"bundle {b.id}: {len(b.manifest['files'])} files, sha256 {b.sha256}"
+                 f"{', signature ' + sig if sig else ''}")
+    _guard(body, as_json=as_json)
+
+
+@app.command()
+def history(
+    host: str = typer.Option(..., "--host"),
+    inventory: str = INVENTORY_OPT,
+    as_json: bool = typer.Option(False, "--json"),
+    accept_new_host_keys: bool = typer.Option(False, "--accept-new-host-keys"),
+):
+    """Releases on HOST: id, time, patch set, budget, topk, outcome."""
+    from ..config.inventory import load_inventory
+    from ..host.session import session_to
+
+    def body():
+        h = load_inventory(inventory).host(host)
+        with session_to(h, accept_new_host_keys=accept_new_host_keys) as session:
+            hist = session.store.history()
+        if as_json:
+            _emit_json({"ok": True, "host": h.name, **hist})
+            return
+        from .tables import print_history
+
+        print_history(hist)
+    _guard(body, as_json=as_json)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""Small helpers every `ddtree-ops` command group shares: JSON on stdout, messages on stderr,
+and turning the tool's exceptions into the documented exit codes."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Callable
+
+import typer
+
+from ..errors import DdtreeOpsError
+
+
+def emit_json(doc: Any) -> None:
+    """One JSON document on stdout."""
+    sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
+
+
+def log(msg: str) -> None:
+    """A line on stderr, flushed."""
+    sys.stderr.write(msg + "\n")
+    sys.stderr.flush()
+
+
+def guard(fn: Callable[[], int | None], *, as_json: bool = False) -> None:
+    """Run a command body; turn our exceptions into a message and the documented exit code."""
+    try:
+        code = fn() or 0
+    except DdtreeOpsError as e:
+        if as_json:
+            emit_json({"ok": False, "error": type(e).__name__, "message": str(e), "exit_code": e.exit_code})
+        log(f"error: {e}")
+        raise typer.Exit(e.exit_code) from None
+    except KeyboardInterrupt:
+        log("interrupted")
+        raise typer.Exit(130) from None
+    raise typer.Exit(code)

@@ -1,0 +1,5 @@
+"""The fleet: which hosts, in which order (canary, batches, the failure budget), a multi-node
+server as one target, and the status of many hosts at once.
+
+May import runbook and the rooms below it; never cli.
+"""

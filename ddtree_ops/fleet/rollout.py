@@ -1,0 +1,343 @@
+"""A rollout over the selected targets: canary first, then batches, with a failure budget.
+
+What runs on each target is an action passed in (fleet.py supplies deploy and rollback), so the
+rollout's logic (batches, canary, failure budget, abort and revert) is tested with plain
+functions, without hosts.
+
+Vocabulary:
+
+* a *target* is what is deployed as one: a single host, or a multi-node server (every host of a
+  `multinode: true` group; see multinode.py). Canary and batch sizes and the failure budget count
+  targets. Selecting one node of a multi-node server selects the whole server.
+* the *canary* is the first `--canary N` targets (default 1), run before anything else; any
+  failure there aborts the rollout.
+* then the remaining targets in *batches* of `--batch N` or `--batch P%` (P% of all selected
+  targets, rounded down, at least 1, as Ansible's `serial`); default: all remaining at once.
+  A batch's targets run in parallel on a bounded pool of `--forks` worker threads, each target
+  over its own SSH connection(s).
+* the *failure budget* `--max-fail P%` (default 0): after each batch, when the failed targets
+  exceed P% of the targets attempted so far (strictly greater, as Ansible's
+  max_fail_percentage: 2 of 4 failed with 50% is still within), no new batch starts.
+* an *aborted* rollout (canary failure, budget exceeded, Ctrl-C) rolls back, by default, every
+  target this run updated, so the fleet ends on one release; `keep_updated=True` opts out.
+
+Each host's result is a row; an unreachable host is a row, never a crash. The overall exit code
+is the most serious one of the rows.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any, Callable
+
+from ..config.inventory import Host, Inventory
+from ..errors import EXIT_ERROR, EXIT_NEEDS_PERSON, EXIT_OK, EXIT_ROLLED_BACK, InputError
+from ..runbook.results import SUCCESS, HostResult, Outcome, Reporter, failed_result, overall_exit_code
+
+# ---------------------------------------------------------------------------------------------
+# targets, batches and the failure budget (pure)
+
+
+@dataclass(frozen=True)
+class Target:
+    """What is deployed as one: a host, or every node of a multi-node server (rank 0 first)."""
+
+    name: str
+    hosts: tuple[Host, ...]
+
+    @property
+    def multinode(self) -> bool:
+        return len(self.hosts) > 1 or self.hosts[0].multinode
+
+
+def make_targets(inv: Inventory, selected: list[Host]) -> tuple[list[Target], list[str]]:
+    """Group the selection into targets, in inventory order. A partly selected multi-node server
+    is taken whole (its nodes must run the same code); the notes say so."""
+    notes: list[str] = []
+    servers = inv.servers()
+    chosen = {h.name: h for h in selected}
+    targets: list[Target] = []
+    seen: set[str] = set()
+    for h in selected:
+        if h.name in seen:
+            continue
+        if h.server:
+            names = servers[h.server]
+            missing = [n for n in names if n not in chosen]
+            if missing:
+                notes.append(f"{', '.join(missing)} added: node(s) of the multi-node server {h.server}, "
+                             f"which is deployed as a whole")
+            nodes = tuple(chosen.get(n) or inv.hosts[n] for n in names)
+            targets.append(Target(h.server, nodes))
+            seen.update(names)
+        else:
+            targets.append(Target(h.name, (h,)))
+            seen.add(h.name)
+    return targets, notes
+
+
+_PCT_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%?\s*$")
+
+
+def parse_percent(spec: str | float | int, what: str = "--max-fail") -> Fraction:
+    """'25%', '25' or 25 → Fraction(25). 0..100."""
+    m = _PCT_RE.match(str(spec))
+    if not m:
+        raise InputError(f"{what} must be a percentage such as 25% (0..100), got {spec!r}")
+    p = Fraction(m.group(1))
+    if not 0 <= p <= 100:
+        raise InputError(f"{what} must be 0..100%, got {spec!r}")
+    return p
+
+
+def batch_size(spec: str | int | None, total: int) -> int:
+    """`--batch N` or `--batch P%` → hosts per batch. P% is of all selected targets, rounded down,
+    at least 1 (Ansible's `serial`). None → everything at once."""
+    if total <= 0:
+        return 0
+    if spec is None or str(spec).strip() == "":
+        return total
+    s = str(spec).strip()
+    if s.endswith("%"):
+        p = parse_percent(s, "--batch")
+        if p <= 0:
+            raise InputError(f"--batch must be > 0%, got {spec!r}")
+        return max(1, min(total, math.floor(p * total / 100)))
+    if not s.isdigit() or int(s) < 1:
+        raise InputError(f"--batch must be a positive number of hosts or a percentage such as 25%, got {spec!r}")
+    return min(total, int(s))
+
+
+def plan_batches(total: int, *, canary: int = 1, batch: str | int | None = None) -> list[list[int]]:
+    """Indices of the targets in each batch: the canary batch first (if canary > 0), then the rest."""
+    if canary < 0:
+        raise InputError(f"--canary must be >= 0, got {canary}")
+    idx = list(range(total))
+    out: list[list[int]] = []
+    c = min(canary, total)
+    if c:
+        out.append(idx[:c])
+    rest = idx[c:]
+    size = batch_size(batch, total)
+    for i in range(0, len(rest), max(size, 1)):
+        out.append(rest[i:i + size])
+    return out
+
+
+def budget_exceeded(failed: int, attempted: int, max_fail_pct: Fraction | int | float) -> bool:
+    """Ansible's rule: the failure percentage must EXCEED the maximum (exact arithmetic)."""
+    if attempted <= 0:
+        return False
+    return Fraction(failed) * 100 > Fraction(max_fail_pct) * attempted
+
+
+# ---------------------------------------------------------------------------------------------
+# progress: what a view (live table, plain lines, nothing) is told
+
+
+class Progress:
+    """Callbacks from the rollout; every method may be called from worker threads."""
+
+    def start(self, hosts: list[str], batches: list[list[str]]) -> None: ...
+
+    def state(self, host: str, state: str) -> None: ...
+
+    def event(self, host: str, msg: str) -> None: ...
+
+    def note(self, msg: str) -> None: ...
+
+    def pause(self) -> None: ...  # while the operator answers a question (nothing to redraw over it)
+
+    def resume(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# the rollout
+
+
+@dataclass
+class RolloutResult:
+    action: str
+    results: list[HostResult]  # one per host, inventory order
+    batches: list[list[str]]  # target names per batch
+    aborted: bool = False
+    abort_reason: str | None = None
+    reverted: list[str] = field(default_factory=list)  # targets rolled back because of the abort
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def exit_code(self) -> int:
+        return overall_exit_code(self.results)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"action": self.action, "ok": self.exit_code == 0, "exit_code": self.exit_code,
+                "aborted": self.aborted, "abort_reason": self.abort_reason, "reverted": self.reverted,
+                "batches": self.batches, "notes": self.notes, "seconds": round(self.seconds, 3),
+                "hosts": [r.to_dict() for r in self.results]}
+
+
+TargetAction = Callable[[Target, Reporter], list[HostResult]]
+
+
+class _Interrupt(KeyboardInterrupt):
+    """Raised inside a worker (through its reporter) when the operator pressed Ctrl-C."""
+
+
+class Rollout:
+    """Run `action` over targets: canary, batches, failure budget, abort → revert."""
+
+    def __init__(self, targets: list[Target], action: TargetAction, *, kind: str = "deploy",
+                 canary: int = 1, batch: str | int | None = None, max_fail: str | float | int = 0,
+                 forks: int = 10, keep_updated: bool = False, revert: TargetAction | None = None,
+                 progress: Progress | None = None, notes: list[str] | None = None):
+        if forks < 1:
+            raise InputError(f"--forks must be >= 1, got {forks}")
+        self.targets, self.action, self.kind = targets, action, kind
+        self.canary, self.max_fail = canary, parse_percent(max_fail)
+        self.batches = plan_batches(len(targets), canary=canary, batch=batch)
+        self.forks, self.keep_updated, self.revert = forks, keep_updated, revert
+        self.progress = progress or Progress()
+        self.notes = list(notes or [])
+        self._interrupted = threading.Event()
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _reporter(self, interruptible: bool) -> Reporter:
+        raised: set[str] = set()
+        lock = threading.Lock()
+
+        def report(host: str, msg: str) -> None:
+            self.progress.event(host, msg)
+            if interruptible and self._interrupted.is_set():
+                with lock:
+                    if host in raised:
+                        return
+                    raised.add(host)
+                raise _Interrupt()  # the runbook rolls this host back (or stops before any change)
+        return report
+
+    def _run_target(self, t: Target, action: TargetAction, interruptible: bool) -> list[HostResult]:
+        for h in t.hosts:
+            self.progress.state(h.name, "running")
+        t0 = time.monotonic()
+        try:
+            results = action(t, self._reporter(interruptible))
+        except KeyboardInterrupt as e:  # interrupted before the first change
+            results = [failed_result(h.name, e, time.monotonic() - t0, exit_code=EXIT_ERROR,
+                                     message="interrupted before any change") for h in t.hosts]
+        except Exception as e:  # a bug must be a row too, not a crash of the whole rollout
+            results = [failed_result(h.name, e, time.monotonic() - t0, outcome=Outcome.FAILED, exit_code=EXIT_ERROR,
+                                     message=f"{type(e).__name__}: {e}") for h in t.hosts]
+        for r in results:
+            self.progress.state(r.host, r.outcome)
+        return results
+
+    def _run_batch(self, pool: ThreadPoolExecutor, batch: list[Target], action: TargetAction,
+                   interruptible: bool) -> dict[str, list[HostResult]]:
+        futures: dict[Future, Target] = {pool.submit(self._run_target, t, action, interruptible): t for t in batch}
+        done: dict[str, list[HostResult]] = {}
+        pending = set(futures)
+        while pending:
+            try:
+                finished, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+            except KeyboardInterrupt:
+                if not self._interrupted.is_set():
+                    self._interrupted.set()
+                    self.progress.note("interrupted: stopping; hosts in flight are rolled back")
+                continue
+            for f in finished:
+                done[futures[f].name] = f.result()
+        return done
+
+    def _failed(self, results: list[HostResult]) -> bool:
+        return any(r.outcome not in SUCCESS[self.kind] for r in results)
+
+    # -- run -------------------------------------------------------------------------------------
+    def run(self) -> RolloutResult:
+        t_start = time.monotonic()
+        names = [[self.targets[i].name for i in b] for b in self.batches]
+        all_hosts = [h.name for t in self.targets for h in t.hosts]
+        self.progress.start(all_hosts, names)
+        for n in self.notes:
+            self.progress.note(n)
+        by_target: dict[str, list[HostResult]] = {}
+        aborted, reason = False, None
+        attempted = failed = 0
+        try:
+            with ThreadPoolExecutor(max_workers=self.forks, thread_name_prefix="ddtree-ops") as pool:
+                for bi, batch_idx in enumerate(self.batches):
+                    batch = [self.targets[i] for i in batch_idx]
+                    is_canary = bi == 0 and self.canary > 0
+                    label = "canary" if is_canary else f"batch {bi + (0 if self.canary > 0 else 1)}"
+                    self.progress.note(f"{label}: {', '.join(t.name for t in batch)}")
+                    done = self._run_batch(pool, batch, self.action, True)
+                    by_target.update(done)
+                    batch_failed = sum(1 for t in batch if self._failed(done[t.name]))
+                    attempted += len(batch)
+                    failed += batch_failed
+                    if self._interrupted.is_set():
+                        aborted, reason = True, "interrupted by the operator (Ctrl-C)"
+                    elif is_canary and batch_failed:
+                        aborted, reason = True, f"canary failed ({batch_failed} of {len(batch)})"
+                    elif budget_exceeded(failed, attempted, self.max_fail):
+                        aborted = True
+                        reason = (f"failure budget exceeded: {failed} of {attempted} failed "
+                                  f"({float(Fraction(failed * 100, attempted)):.0f}% > "
+                                  f"max-fail {float(self.max_fail):g}%)")
+                    if aborted:
+                        self.progress.note(f"rollout aborted: {reason}")
+                        break
+                reverted: list[str] = []
+                if aborted and self.revert is not None and not self.keep_updated:
+                    updated = [t for t in self.targets if t.name in by_target
+                               and any(r.outcome == Outcome.DEPLOYED for r in by_target[t.name])]
+                    if updated:
+                        self.progress.note(f"rolling back what this run updated: {', '.join(t.name for t in updated)}")
+                        back = self._run_batch(pool, updated, self.revert, False)
+                        for t in updated:
+                            by_target[t.name] = _merge_revert(by_target[t.name], back[t.name])
+                            reverted.append(t.name)
+                elif aborted and self.keep_updated:
+                    self.progress.note("--keep-updated: hosts this run updated stay on the new release")
+        finally:
+            self.progress.stop()
+        results: list[HostResult] = []
+        for t in self.targets:
+            if t.name in by_target:
+                results.extend(by_target[t.name])
+            else:
+                results.extend(HostResult(h.name, Outcome.SKIPPED, EXIT_OK,
+                                          message="not started: " + (reason or "aborted"))
+                               for h in t.hosts)
+        return RolloutResult(self.kind, results, names, aborted, reason, reverted, self.notes,
+                             time.monotonic() - t_start)
+
+
+def _merge_revert(deployed: list[HostResult], back: list[HostResult]) -> list[HostResult]:
+    """A host this run updated and then rolled back because the rollout was aborted."""
+    by_host = {r.host: r for r in back}
+    out = []
+    for d in deployed:
+        b = by_host.get(d.host)
+        if b is None or d.outcome != Outcome.DEPLOYED:
+            out.append(d)
+            continue
+        if b.outcome == Outcome.ROLLED_BACK:
+            out.append(HostResult(d.host, Outcome.REVERTED, EXIT_ROLLED_BACK, release=d.release,
+                                  message=f"deployed {d.release}, then rolled back because the rollout was aborted; "
+                                          + (b.message or ""),
+                                  steps=d.steps + b.steps, seconds=d.seconds + b.seconds))
+        else:
+            out.append(HostResult(d.host, Outcome.REVERT_FAILED, EXIT_NEEDS_PERSON, release=d.release,
+                                  failed_step="abort rollback",
+                                  message=f"deployed {d.release}; rolling it back after the abort failed: {b.message}",
+                                  log=b.log, steps=d.steps + b.steps, seconds=d.seconds + b.seconds))
+    return out

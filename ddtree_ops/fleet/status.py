@@ -1,0 +1,109 @@
+"""`ddtree-ops status`: what each host runs, read in parallel, changing nothing.
+
+Per host: reachable (or why not), current release and its patch set/bundle, budget/topk of the
+active unit's ExecStart, drift (files whose sha256 differs from what the current release
+recorded as installed), unit states, /health and the average accept length from /server_info.
+An unreachable host is a row with `reachable: false` and the reason, never a crash.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+
+from ..artifacts.units import parse_exec_flags
+from ..config.inventory import Host
+from ..errors import DdtreeOpsError
+from ..gates.health import health_status, http_client
+from ..host.session import open_session
+
+
+def _http(host: Host, row: dict[str, Any]) -> None:
+    if host.node_rank >= 1:
+        row["health"] = f"n/a (rank {host.node_rank})"
+        return
+    try:
+        with http_client(host) as c:
+            row["health"] = health_status(c, timeout=min(5.0, host.health.request_timeout_s))
+            if row["health"] == 200:
+                try:
+                    info = c.get("/server_info", timeout=5.0).json()
+                    states = info.get("internal_states") or [{}]
+                    v = states[0].get("avg_spec_accept_length")
+                    row["avg_accept_length"] = float(v) if v is not None else None
+                except (httpx.HTTPError, ValueError, AttributeError, TypeError, IndexError):
+                    row["avg_accept_length"] = None
+    except Exception as e:  # pragma: no cover - a broken URL must not crash the table
+        row["health"] = type(e).__name__
+
+
+def host_status(host: Host, *, accept_new_host_keys: bool = False) -> dict[str, Any]:
+    t0 = time.monotonic()
+    row: dict[str, Any] = {
+        "host": host.name, "address": host.address, "server": host.server,
+        "node_rank": host.node_rank if host.server else None,
+        "reachable": False, "reason": None, "release": None, "patchset": None, "bundle": None,
+        "release_outcome": None, "budget": None, "topk_cap": None, "algorithm": None, "drift": [],
+        "units": {}, "active_unit": None, "health": None, "avg_accept_length": None, "journal": None, "lock": None,
+        "perf_gate": None,
+    }
+    try:
+        session = open_session(host, accept_new_host_keys=accept_new_host_keys)
+    except DdtreeOpsError as e:
+        row["reason"] = str(e)
+    except Exception as e:
+        row["reason"] = f"{type(e).__name__}: {e}"
+    else:
+        try:
+            row["reachable"] = True
+            store = session.store
+            facts = store.facts([])
+            rel = facts.get("current_release") or {}
+            row["release"] = facts.get("current")
+            row["patchset"] = rel.get("patchset")
+            row["bundle"] = rel.get("bundle")
+            row["release_outcome"] = rel.get("outcome")
+            row["perf_gate"] = rel.get("perf_gate")  # the current release's canary gate (perfgate)
+            row["journal"] = facts.get("journal")
+            row["lock"] = facts.get("lock")
+            installed = rel.get("installed") or {}
+            if installed:
+                now = store.facts(sorted(installed))["files"]
+                for path, sha in sorted(installed.items()):
+                    f = now.get(path) or {}
+                    got = f.get("sha256") if f.get("exists") else None
+                    if got != sha:
+                        row["drift"].append({"path": path, "recorded": sha, "now": got})
+            for u, st in session.services.states((host.unit, *host.conflicts)).items():
+                row["units"][u] = st.active
+            row["active_unit"] = next((u for u, s in row["units"].items() if s == "active"), None)
+            if row["active_unit"] == host.unit and facts.get("unit_text"):
+                flags = parse_exec_flags(facts["unit_text"])
+            elif row["active_unit"]:
+                r = session.conn.run(["cat", f"/etc/systemd/system/{row['active_unit']}"], check=False)
+                flags = parse_exec_flags(r.stdout) if r.ok else {}
+            else:
+                flags = parse_exec_flags(facts.get("unit_text") or "")
+            row["budget"], row["topk_cap"], row["algorithm"] = (flags.get("budget"), flags.get("topk_cap"),
+                                                                 flags.get("algorithm"))
+        except DdtreeOpsError as e:
+            row["reason"] = f"reading the host failed: {e}"
+        except Exception as e:
+            row["reason"] = f"reading the host failed: {type(e).__name__}: {e}"
+        finally:
+            session.close()
+    _http(host, row)
+    row["seconds"] = round(time.monotonic() - t0, 2)
+    row["ok"] = bool(row["reachable"] and not row["reason"] and not row["drift"]
+                     and (host.node_rank >= 1 or row["health"] == 200))
+    return row
+
+
+def collect_status(hosts: list[Host], *, accept_new_host_keys: bool = False, forks: int = 10) -> list[dict[str, Any]]:
+    if not hosts:
+        return []
+    with ThreadPoolExecutor(max_workers=max(1, min(forks, len(hosts))), thread_name_prefix="ddtree-status") as pool:
+        return list(pool.map(lambda h: host_status(h, accept_new_host_keys=accept_new_host_keys), hosts))

@@ -1,0 +1,592 @@
+"""The runbook of one host, as public phases.
+
+    lock → repair an interrupted deploy → preflight → backup and install → restart →
+    wait for weights and gate → commit;  on failure after the first change: roll back.
+
+Every phase that changes the host first records its step in the host's journal, so an
+interruption anywhere is repaired (rolled back) by the next deploy or rollback. `deploy.py` and
+`rollback.py` compose these phases for one host, `multinode.py` for the nodes of one server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..artifacts.patchset import PatchSet
+from ..artifacts.units import render_unit, verify_command, verify_problems, verify_unit
+from ..config.redaction import SECRET_NAME_WORDS
+from ..config.schema import is_valid_unit_name
+from ..errors import CorruptJournal, InputError, RemoteCommandError, RollbackFailed, UnreachableError
+from ..gates.health import HealthFailure, drain, health_gate, soak, wait_until_serving
+from ..gates.startup import PhaseTracker, Transition
+from ..host.gpus import GpuApp, describe, foreign_apps
+from ..host.journal import journal_problem
+from ..host.release_store import LockHolder, b64, new_release_id
+from ..host.services import UnitState
+from ..host.session import HostSession
+from ..testing.pause_points import agent_pause_request, pause
+from .launch_check import launch_line, parse_problems, port_problems, ports_to_check
+from .options import DeployOptions
+from .plan import HostPlan, compute_plan, read_host, target_path
+from .results import PHASE_EVENT, Reporter
+from .traffic import TrafficPhases
+
+
+def quiet(host: str, msg: str) -> None:
+    pass
+
+
+RUNNING = ("active", "activating")
+
+
+class StepFailed(Exception):
+    """A step of the runbook failed; the host may be half-changed and must be rolled back."""
+
+    def __init__(self, step: str, message: str, log: list[str] | None = None):
+        super().__init__(message)
+        self.step, self.log = step, log or []
+
+
+@dataclass
+class Release:
+    """A release being deployed on one host. `journal` is what the host's journal records while
+    it is in flight: enough to roll it back from anywhere, by this run or the next one."""
+
+    id: str
+    journal: dict[str, Any]
+    unit_bytes: bytes = b""
+    pid: int | None = None
+
+    @property
+    def previous(self) -> str | None:
+        return self.journal.get("previous")
+
+
+class Runbook(TrafficPhases):
+    """The phases of a deploy and a rollback on one connected host.
+
+    `health_checked=False` is a node of rank >= 1 of a multi-node server: it answers 200 on
+    /health whatever its state, so node 0's gate speaks for the server and this node is only
+    checked to be running.
+    """
+
+    def __init__(self, session: HostSession, report: Reporter = quiet, *, health_checked: bool = True):
+        self.session, self.report, self.health_checked = session, report, health_checked
+        self.host = session.host
+        self.store, self.services = session.store, session.services
+        self.steps: list[dict[str, Any]] = []
+        self._states_read: dict[str, UnitState] | None = None
+        self.warnings: list[str] = []  # what went wrong without failing the run (housekeeping)
+        self._drained: set[str] = set()
+        self._gpu_strangers: set[int] = set()  # GPU holders preflight found and --force let stay
+        self._log_before: list[str] = []  # the unit's log tail just before this run started it
+
+    def failure(self, step: str, message: str) -> StepFailed:
+        return StepFailed(step, message)
+
+    def phase(self, name: str) -> None:
+        """The phase the host is now in, for the live view (results.PHASE_EVENT)."""
+        self.report(self.host.name, PHASE_EVENT + name)
+
+    def step(self, name: str, detail: str = "") -> None:
+        self.steps.append({"step": name, "t": time.time(), "detail": detail})
+        self.report(self.host.name, f"{name}{': ' + detail if detail else ''}")
+
+    @property
+    def last_step(self) -> str:
+        return self.steps[-1]["step"] if self.steps else "?"
+
+    # -- lock ------------------------------------------------------------------------------------
+    def lock(self, opts: DeployOptions) -> LockHolder:
+        return self.store.acquire_lock(opts.command, break_tokens=opts.break_tokens)
+
+    def unlock(self, lock: LockHolder) -> None:
+        try:
+            self.store.release_lock(lock)
+        except Exception as e:  # the result matters more; a left lock is reported with its holder
+            self.report(self.host.name, f"warning: could not release the deploy lock: {e}")
+
+    # -- repair ----------------------------------------------------------------------------------
+    def read_journal(self) -> dict[str, Any] | None:
+        """The host's journal, checked: CorruptJournal (exit 4) for one that cannot be read or
+        that this tool did not write, since repairing from a guess could make things worse."""
+        facts = self.store.facts([])
+        problem = facts.get("journal_error") or journal_problem(facts.get("journal"))
+        if problem:
+            path = f"{self.host.state_dir}/journal.json"
+            raise CorruptJournal(
+                f"{self.host.name}: corrupt journal: {problem}. An earlier run was interrupted and the tool cannot "
+                f"tell what it changed. Check the host by hand (`ddtree-ops status --limit {self.host.name}`, "
+                f"`ddtree-ops history --host {self.host.name}`), put it right, then move the journal aside "
+                f"(`mv {path} {path}.corrupt`) and run again (see docs/guarantees.md, 'corrupt journal').")
+        return facts.get("journal")
+
+    def repair_interrupted(self) -> str | None:
+        """A journal means a deploy or a rollback was interrupted: roll that deploy back, or finish
+        that rollback, before anything else. Returns the release it was about."""
+        journal = self.read_journal()
+        if not journal:
+            return None
+        rid = journal["release"]
+        try:
+            if journal.get("kind") == "rollback":
+                self.step("repair", f"found an interrupted rollback of {', '.join(journal['undo'])} (step "
+                                    f"{journal.get('step')!r}); finishing it")
+                self.finish_rollback(journal)
+            else:
+                self.step("repair", f"found an interrupted deploy of {rid} (step {journal.get('step')!r}); "
+                                    f"rolling it back")
+                self.roll_back(rid, journal, outcome=f"interrupted at {journal.get('step')}, rolled back")
+        except Exception as e:
+            raise RollbackFailed(f"{self.host.name}: repairing the interrupted {journal.get('kind', 'deploy')} of "
+                                 f"{rid} failed: {e}; a person must look") from None
+        return rid
+
+    # -- preflight -------------------------------------------------------------------------------
+    def preflight(self, ps: PatchSet, opts: DeployOptions, detail: str = "") -> HostPlan:
+        """The plan, with every refusal: the plan's own, the host's Python compiling the modules,
+        and `systemd-analyze verify` of the new unit. Changes nothing."""
+        self.step("preflight", detail)
+        facts = read_host(self.session, ps)
+        self._states_read = facts["unit_states"]
+        plan = compute_plan(self.host, ps, facts, render_unit(self.host, opts.templates_dir), force=opts.force)
+        gpu = self._gpu_problems()
+        refusals = [*plan.refusals, *self._compile_problems(ps), *self._unit_problems(plan.unit_new),
+                    *([] if opts.force else gpu), *self.router_problems()]
+        return dataclasses.replace(plan, refusals=tuple(refusals))
+
+    def _gpu_problems(self) -> list[str]:
+        """GPU memory held by something that is not one of our units: the new server would not
+        fit after the old one stops."""
+        apps = self.services.gpu_apps()
+        if not apps:
+            return []
+        procs = self.store.call("proc_info", pids=[a.pid for a in apps])
+        units = ", ".join((self.host.unit, *self.host.conflicts))
+        foreign = foreign_apps(apps, procs, self._our_main_pids())
+        # With --force these stay, and the wait after the stop does not wait for them.
+        self._gpu_strangers = {a.pid for a in foreign}
+        return [f"GPU memory: {describe(a, procs)}, and it is not a process of {units}: the new server could run "
+                f"out of GPU memory. Stop it, or pass --force" for a in foreign]
+
+    def _our_main_pids(self) -> set[int]:
+        """Main PIDs of the units this run manages, as preflight read them (nothing changed since)."""
+        return {s.main_pid for s in self.services_before().values() if s.main_pid}
+
+    def wait_gpus_free(self, step: str = "gpus free") -> None:
+        """After the old server stopped: wait (at most `health.gpu_free_timeout_s`) until no
+        process holds GPU memory; StepFailed naming the holders when that does not happen."""
+        t0 = time.monotonic()
+
+        def holders() -> list[GpuApp] | None:
+            apps = self.services.gpu_apps()
+            return None if apps is None else [a for a in apps if a.pid not in self._gpu_strangers]
+
+        apps = holders()
+        if apps is None:
+            return  # no nvidia-smi: no NVIDIA GPU to wait for
+        if apps:
+            self.phase("gpus free")
+        first = len(apps)
+        while apps and time.monotonic() - t0 < self.host.health.gpu_free_timeout_s:
+            self.session.sleep(min(self.host.health.poll_interval_s, 1.0))
+            apps = holders() or []
+        if apps:
+            held = ", ".join(f"pid {a.pid} ({a.used_mib} MiB)" for a in apps[:4])
+            raise StepFailed(step, f"GPU memory still held {self.host.health.gpu_free_timeout_s:g} s after the old "
+                                   f"server stopped: {held}")
+        if first:
+            self.step(step, f"waited {time.monotonic() - t0:.1f} s for {first} process(es) to free GPU memory")
+
+    def _compile_problems(self, ps: PatchSet) -> list[str]:
+        pyfiles = {target_path(self.host, pf.path): b64(pf.source.read_bytes()) for pf in ps.python_files()}
+        if not pyfiles:
+            return []
+        errors = self.store.call("compile", files=pyfiles)["errors"]
+        return [f"does not compile with {self.host.python}: {e}" for e in errors]
+
+    def _unit_problems(self, text: str) -> list[str]:
+        h = self.host
+        res = self.store.call("verify_unit", unit_name=h.unit, text=text,
+                              argv=verify_command("@PATH@/" + h.unit, h.unit)[:-1] + ["@PATH@"])
+        if res.get("available"):
+            problems = verify_problems(res["returncode"], res["stdout"], res["stderr"], h.unit)
+            return [f"unit {h.unit} fails systemd-analyze verify on the host: {p}" for p in problems]
+        try:  # the host has no systemd-analyze: check here, without the host's executables
+            verify_unit(text, h.unit, check_executables=False)
+        except InputError as e:
+            return [f"unit {h.unit} fails systemd-analyze verify (locally): {e}"]
+        return []
+
+    # -- the release -----------------------------------------------------------------------------
+    def services_before(self) -> dict[str, UnitState]:
+        """The units as they are before the release: as preflight read them (nothing has changed
+        since, under the lock), else read now."""
+        if self._states_read is not None:
+            return self._states_read
+        return self.services.states((self.host.unit, *self.host.conflicts))
+
+    def is_running_as_planned(self, plan: HostPlan, before: dict[str, UnitState]) -> bool:
+        """Files and unit already as asked, and the unit serving: a deploy has nothing to do."""
+        return not plan.changes and before[self.host.unit].active == "active"
+
+    def begin(self, plan: HostPlan, ps: PatchSet, lock: LockHolder, before: dict[str, UnitState],
+              release_id: str | None = None, **journal: Any) -> Release:
+        """A new release (no change yet): its id and the journal that will record it."""
+        rid = release_id or new_release_id()
+        return Release(rid, {"release": rid, "previous": plan.current_release,
+                             "active_before": {u: s.active for u, s in before.items()},
+                             "enabled_before": {u: s.enabled for u, s in before.items()},
+                             "holder": lock.holder, "patchset": ps.label, **journal})
+
+    def _journal(self, release: Release, step: str) -> None:
+        release.journal["step"] = step
+        self.store.journal(**release.journal)
+        self.step(step)
+
+    def _guarded(self, step: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except (RemoteCommandError, UnreachableError) as e:
+            raise StepFailed(step, str(e)) from None
+
+    # -- backup and install ----------------------------------------------------------------------
+    def backup_and_install(self, ps: PatchSet, plan: HostPlan, release: Release, opts: DeployOptions) -> None:
+        """Record the release, back up every path it touches (read back), install the files and the
+        unit atomically, daemon-reload, stop and disable the conflicting units, enable ours."""
+        h, rid, j = self.host, release.id, release.journal
+        self.store.write_release(rid, id=rid, created=time.time(), patchset=ps.label,
+                                 patchset_digest=ps.digest(), bundle=opts.bundle_id, budget=h.budget,
+                                 topk_cap=h.topk_cap, previous=plan.current_release, outcome="in progress",
+                                 active_before=j["active_before"], enabled_before=j["enabled_before"],
+                                 by=j["holder"]["user"], command=opts.command)
+        self._journal(release, "backup")
+        pause("before-backup")
+        paths = [{"path": f.path, "kind": "file"} for f in plan.files] + [{"path": h.unit_path, "kind": "unit"}]
+        self._guarded("backup", lambda: self.store.call("backup", release_id=rid, paths=paths))
+        pause("after-backup")
+
+        self._journal(release, "install")
+        files = [{"path": f.path, "content_b64": b64(pf.source.read_bytes()), "sha256": pf.sha256, "mode": pf.mode}
+                 for f, pf in zip(plan.files, ps.files, strict=True)]
+        self._guarded("install", lambda: self.store.call("install", files=files, **agent_pause_request()))
+        release.unit_bytes = plan.unit_new.encode()
+        unit = {"path": h.unit_path, "content_b64": b64(release.unit_bytes),
+                "sha256": hashlib.sha256(release.unit_bytes).hexdigest(), "mode": 0o644}
+        self._guarded("install unit", lambda: self.store.call("install", files=[unit]))
+        pause("after-unit")
+        self._guarded("daemon-reload", self.services.daemon_reload)
+        # Nothing has stopped yet: a launch line the server would refuse fails here, and the
+        # rollback restores the files while the old server keeps serving.
+        self._guarded("launch check", lambda: self.check_launch(plan))
+
+        self._journal(release, "stop conflicts")
+        for u in h.conflicts:
+            if j["active_before"].get(u) in RUNNING:
+                self.drain(u)
+                self.phase("stop")
+                self._guarded(f"stop {u}", lambda u=u: self.services.stop(u))
+            if j["enabled_before"].get(u) == "enabled":
+                self._guarded(f"disable {u}", lambda u=u: self.services.disable(u))
+        if j["enabled_before"].get(h.unit) != "enabled":
+            self._guarded(f"enable {h.unit}", lambda: self.services.enable(h.unit))
+        if any(j["active_before"].get(u) in RUNNING for u in h.conflicts):
+            self._guarded("gpus free", self.wait_gpus_free)
+
+    def check_launch(self, plan: HostPlan) -> None:
+        """The new ExecStart through the installed server's own argument parser (new files in
+        place, nothing started), and its ports free or held by a unit this deploy replaces."""
+        h = self.host
+        line = launch_line(plan.unit_new)
+        if line is None:
+            self.step("launch check", "skipped: ExecStart is not `PYTHON -m MODULE ARGS`")
+            return
+        ports = ports_to_check(h)
+        res = self.store.call("launch_check", python=line.python, module=line.module, args=list(line.args),
+                              sglang=line.sglang, ports=ports, scrub_files=list(h.secret_files),
+                              secret_words=list(SECRET_NAME_WORDS))
+        problems = parse_problems(line, res) + port_problems(res["holders"], self._our_main_pids())
+        if problems:
+            raise StepFailed("launch check", "; ".join(problems))
+        self.step("launch check", f"{line.module} accepts the launch line; port{'s' if len(ports) > 1 else ''} "
+                                  f"{', '.join(map(str, ports))} free or held by a unit being replaced")
+
+    def drain(self, unit: str) -> None:
+        """Let the requests in flight on `unit`'s server finish (at most `health.drain_timeout_s`)
+        before it stops; how many were cut is said. A server that does not report its load (not
+        listening, or no /v1/loads) is not waited for. Only node 0 of a multi-node server serves
+        requests (and is drained, before any node stops); once drained, a unit is not drained again
+        in the same operation."""
+        if not self.health_checked or unit in self._drained:
+            return
+        self._drained.add(unit)
+        self.leave_router()
+        self.phase("drain")
+        res = drain(self.session, self.host.health.drain_timeout_s)
+        if res.at_start is None:
+            return
+        cut = f"; {res.remaining} still in flight, cut by the stop" if res.remaining else ""
+        self.step("drain", f"{unit}: {res.at_start} request(s) in flight, waited {res.waited_s:.1f} s{cut}")
+
+    # -- restart, wait and gate ------------------------------------------------------------------
+    def restart(self, release: Release) -> None:
+        self._journal(release, "restart")
+        if self.services_before()[self.host.unit].active in RUNNING:  # a redeploy: it serves now
+            self.drain(self.host.unit)
+            self.phase("stop")
+            self._guarded("restart", lambda: self.services.stop(self.host.unit))
+            self._guarded("gpus free", self.wait_gpus_free)
+        # The unit's log as it is before the start: the previous server's lines name no phase of
+        # the new one (startup.PhaseTracker ignores them).
+        self._log_before = self._guarded("restart", lambda: self.services.probe(self.host.unit)).log
+        self.phase("start")
+        self._guarded("restart", lambda: self.services.restart(self.host.unit))
+        release.pid = self.services.main_pid(self.host.unit)
+
+    def wait_and_gate(self, release: Release, deadline_s: float | None = None) -> None:
+        """Wait for the weights to load (/health 200, the process never replaced), then the gate."""
+        h = self.host
+        self._journal(release, "wait for weights")
+        pause("wait-for-weights")
+        last = [0.0]
+
+        def progress(elapsed: float, line: str) -> None:
+            if elapsed - last[0] >= 5 or elapsed < 0.01:
+                last[0] = elapsed
+                self.report(h.name, f"waiting {elapsed:5.1f} s: {line}")
+
+        def on_phase(ended: list[Transition], tracker: PhaseTracker, elapsed: float) -> None:
+            for t in ended:
+                self.step(str(t.ended), f"{t.seconds:.1f} s")
+            if ended and tracker.phase is not ended[-1].ended:
+                self.phase(str(tracker.phase))
+
+        phase = "wait for weights"
+        try:
+            took = wait_until_serving(self.session, h.unit, expected_pid=release.pid, deadline_s=deadline_s,
+                                      progress=progress, phases=PhaseTracker(frozenset(self._log_before)),
+                                      on_phase=on_phase)
+            self.step("serving", f"/health 200 after {took:.1f} s")
+            self.phase("health gate")
+            phase = "health gate"
+            gate = health_gate(self.session, h.unit, expected_pid=release.pid)
+            self.step("health gate", f"{gate.health_checks}x /health 200, /generate ok"
+                      + (f", accept length {gate.accept_length:.2f}" if gate.accept_length is not None else ""))
+        except HealthFailure as e:
+            raise StepFailed(phase, str(e), e.log) from None
+        except (RemoteCommandError, UnreachableError) as e:
+            raise StepFailed(phase, str(e)) from None
+
+    def soak(self, release: Release) -> None:
+        """Healthy for `health.min_healthy_s` more before the commit (health.soak)."""
+        hs = self.host.health
+        if hs.min_healthy_s <= 0 or not self.health_checked:
+            return
+        self.phase("soak")
+        t0 = time.monotonic()
+        try:
+            n = soak(self.session, self.host.unit, release.pid)
+        except HealthFailure as e:
+            raise StepFailed("soak", str(e), e.log) from None
+        except (RemoteCommandError, UnreachableError) as e:
+            raise StepFailed("soak", str(e)) from None
+        self.step("soak", f"healthy for {time.monotonic() - t0:.1f} s ({n} generations, min_healthy_s "
+                          f"{hs.min_healthy_s:g})")
+
+    def check_running(self, release: Release, step: str = "node check") -> None:
+        """The unit is still active as the process that was started (a node without a gate)."""
+        h = self.host
+        p = self._guarded(step, lambda: self.services.probe(h.unit, lines=20))
+        if p.active != "active" or (release.pid and p.main_pid != release.pid):
+            raise StepFailed(step, f"{h.name} (rank {h.node_rank}): {h.unit} is {p.active}, MainPID {p.main_pid}",
+                             p.log)
+        self.step(step, f"{h.unit} active (rank {h.node_rank})")
+
+    # -- commit ----------------------------------------------------------------------------------
+    def commit(self, plan: HostPlan, release: Release) -> None:
+        """The release becomes current; older releases beyond keep_releases are pruned."""
+        h = self.host
+        self._journal(release, "commit")
+        pause("before-commit")
+        installed = {f.path: f.new_sha256 for f in plan.files}
+        installed[h.unit_path] = hashlib.sha256(release.unit_bytes).hexdigest()
+        # The last look: a server that died after the gate must not be committed.
+        p = self.services.probe(h.unit, lines=20)
+        if p.active != "active" or (release.pid and p.main_pid != release.pid):
+            raise StepFailed("commit", f"{h.unit} died after passing the health gate ({p.active}, "
+                                       f"MainPID {p.main_pid})", p.log)
+        self.store.write_release(release.id, outcome="deployed", installed=installed, deployed_at=time.time(),
+                                 **({"perf_gate": self.perf_result} if self.perf_result else {}))
+        self.store.set_current(release.id)
+        self.store.clear_journal()
+        # Committed: from here on nothing undoes the release. Housekeeping that fails is said.
+        try:
+            removed = self.store.prune(h.keep_releases)
+        except (RemoteCommandError, UnreachableError) as e:
+            self.warnings.append(f"release {release.id} committed, but pruning old releases failed: {e}")
+            removed = []
+        self.step("committed", f"release {release.id}" + (f"; pruned {', '.join(removed)}" if removed else "")
+                  + ("; " + "; ".join(self.warnings) if self.warnings else ""))
+
+    def leave_failed(self, release: Release, failed_step: str, error: str) -> None:
+        """--no-rollback: record the failure and leave the host as it is."""
+        self.store.journal(**{**release.journal, "step": "failed (--no-rollback)", "error": error})
+        self.store.write_release(release.id, outcome="failed, left in place (--no-rollback)",
+                                 failed_step=failed_step, error=error)
+
+    # -- rollback --------------------------------------------------------------------------------
+    def roll_back(self, rid: str, journal: dict[str, Any], *, outcome: str, failed_step: str | None = None,
+                  error: str | None = None) -> None:
+        """Undo release `rid`: its backup back in place, the services as they were before it."""
+        self.step("rollback", f"restoring the backup of {rid}")
+        done = self.store.call("remove_partial", release_id=rid)
+        if done["backup_complete"]:
+            self.restore_backup(rid)
+        self.services.daemon_reload()
+        # Failed or interrupted before "stop conflicts": no unit was stopped, restarted, enabled
+        # or disabled, so a server that is still running is left alone (no needless reload of
+        # the weights); it only has to pass the health gate.
+        untouched = journal.get("step") in ("backup", "install")
+        self.restore_services(journal.get("active_before") or {}, journal.get("enabled_before") or {},
+                              untouched=untouched)
+        fields: dict[str, Any] = {"outcome": outcome, "rolled_back_at": time.time()}
+        if self.perf_result:
+            fields["perf_gate"] = self.perf_result
+        if failed_step:
+            fields.update(failed_step=failed_step, error=error)
+        self.store.write_release(rid, **fields)
+        self.store.set_current(journal.get("previous"))
+        self.store.clear_journal()
+        self.step("rolled back", f"host back on {journal.get('previous') or 'its pre-ddtree-ops state'}")
+
+    def roll_back_reconnecting(self, window_s: float, rid: str, journal: dict[str, Any], **kw: Any) -> None:
+        """`roll_back`, reconnecting for up to `window_s` seconds when the SSH connection is lost
+        (the rollback is idempotent, so it starts again from the beginning)."""
+        self.reconnecting(window_s, lambda: self.roll_back(rid, journal, **kw), "roll back")
+
+    def reconnecting(self, window_s: float, fn: Callable[[], Any], what: str = "carry on") -> Any:
+        """Run `fn` (idempotent), reconnecting and running it again while the connection is lost,
+        for up to `window_s` seconds. A reconnect takes the operation's lock again."""
+        deadline = time.monotonic() + window_s
+        while True:
+            try:
+                return fn()
+            except UnreachableError as e:
+                if time.monotonic() >= deadline:
+                    raise
+                self.report(self.host.name, f"connection lost ({e}); reconnecting to {what}")
+            while True:
+                self.session.sleep(1.0)
+                try:
+                    self.session.reconnect()
+                    break
+                except UnreachableError as e:
+                    if time.monotonic() >= deadline:
+                        raise UnreachableError(f"{e} (kept retrying for {window_s:g} s)") from None
+
+    def begin_rollback(self, undo: list[str], to: str | None, to_original: bool, oldest: dict[str, Any],
+                       lock: LockHolder) -> dict[str, Any]:
+        """The journal of a rollback, written before its first change: an interrupted rollback is
+        finished by the next run (every step of it can be done again)."""
+        journal = {"kind": "rollback", "release": undo[0], "undo": list(undo), "to": to, "to_original": to_original,
+                   "active_before": oldest.get("active_before") or {},
+                   "enabled_before": oldest.get("enabled_before") or {}, "holder": lock.holder, "step": "restore"}
+        self.store.journal(**journal)
+        return journal
+
+    def finish_rollback(self, journal: dict[str, Any]) -> None:
+        """Undo the journal's releases newest first, then the services, then `current`."""
+        for rid in journal["undo"]:
+            self.step("restore", f"undoing release {rid}")
+            self.restore_backup(rid)
+            self.store.write_release(rid, outcome="rolled back", rolled_back_at=time.time())
+        if journal.get("to_original"):
+            self.restore_backup("original")
+        journal["step"] = "services"
+        self.store.journal(**journal)
+        self.services.daemon_reload()
+        self.restore_services(journal["active_before"], journal["enabled_before"])
+        self.store.set_current(journal.get("to"))
+        self.store.clear_journal()
+
+    def restore_backup(self, rid: str) -> None:
+        """Files as release `rid` found them ('original': as before any release), byte for byte;
+        a corrupted backup restores nothing."""
+        res = self.store.call("restore", backup_dir=self.store.backup_dir(rid))
+        if res["refused"]:
+            what = "original backup" if rid == "original" else f"backup of {rid}"
+            raise StepFailed("restore", f"{what} is corrupted, refusing to restore it: " + "; ".join(res["problems"]))
+
+    def restore_services(self, active_before: dict[str, str], enabled_before: dict[str, str], *,
+                         untouched: bool = False) -> None:
+        """Units enabled and running as they were before the release; `untouched`: the deploy
+        stopped before it stopped anything, so what still runs is not restarted, only gated.
+
+        The record (journal or release) decides, not today's inventory: a unit recorded but since
+        dropped from `unit`/`conflicts` is restored as recorded all the same; a unit the inventory
+        names but the record does not (added since) is left as it is, and a warning says so."""
+        h = self.host
+        recorded = list(dict.fromkeys([*active_before, *enabled_before]))
+        bad = [u for u in recorded if not is_valid_unit_name(u)]
+        if bad:
+            raise StepFailed("rollback", f"the record names {str(bad[0])[:80]!r}, not a valid unit name; "
+                                         f"refusing to pass it to systemctl")
+        dropped = [u for u in recorded if u not in (h.unit, *h.conflicts)]
+        if dropped:
+            self.step("rollback: units no longer in the inventory", f"{', '.join(dropped)}: restored as recorded")
+        added = [u for u in (h.unit, *h.conflicts) if u not in recorded]
+        if added:
+            note = (f"{', '.join(added)} not in the record of the release (added to the inventory since): "
+                    f"left as {'it is' if len(added) == 1 else 'they are'}")
+            self.warnings.append(note)
+            self.step("rollback: units not recorded", note)
+        was_active = [u for u, s in active_before.items() if s in RUNNING]
+        now = self.services.states(tuple(recorded)) if recorded else {}
+        for u, e in enabled_before.items():
+            if e == "enabled" and now[u].enabled != "enabled":
+                self.services.enable(u)
+            elif e != "enabled" and now[u].enabled == "enabled":
+                self.services.disable(u)
+        # Stop what was not running before, first: the units conflict on the port.
+        stopped = False
+        for u in recorded:
+            if u not in was_active and now[u].active in (*RUNNING, "failed"):
+                if now[u].active == "active":
+                    self.drain(u)
+                self.services.stop(u)
+                stopped = True
+        if stopped and any(not (untouched and now[u].active == "active") for u in was_active):
+            self.wait_gpus_free("rollback: gpus free")
+        for u in was_active:
+            pid = now[u].main_pid if untouched and now[u].active == "active" else None
+            if not pid and now[u].active == "active":  # it serves, and is about to be restarted
+                self.drain(u)
+            self._bring_back(u, pid)
+        if was_active:
+            self.join_router()  # back in the router, healthy (or never out of it: a no-op)
+
+    def _bring_back(self, unit: str, running_pid: int | None) -> None:
+        """Restart `unit` (unless it kept running as `running_pid`) and wait until it is healthy."""
+        pid = running_pid
+        if not pid:
+            self.services.restart(unit)
+            pid = self.services.main_pid(unit)
+        if not self.health_checked:  # a rank >= 1 node: running is all it can tell
+            p = self.services.probe(unit, lines=10)
+            if p.active not in RUNNING:
+                raise StepFailed("rollback health", f"{unit} is {p.active} after the rollback "
+                                                    f"(rank {self.host.node_rank})", p.log)
+            self.step("rollback: restarted", f"{unit} (rank {self.host.node_rank}; node 0 is health-checked)")
+            return
+        self.step("rollback: waiting", f"{unit} was never stopped (pid {pid}); not restarted" if running_pid
+                  else f"{unit} restarted (pid {pid})")
+        try:
+            took = wait_until_serving(self.session, unit, expected_pid=pid)
+            health_gate(self.session, unit, expected_pid=pid)
+        except HealthFailure as e:
+            raise StepFailed("rollback health", f"{unit} is not healthy after the rollback: {e}", e.log) from None
+        self.step("rollback: healthy", f"{unit} serving after {took:.1f} s")

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Before/after of the one-agent-per-operation change (issue 11, deliverable 2), side by side.
+"""Before/after of the one-agent-per-operation change, side by side.
 
 Runs the CLI of two versions of the tool against the same sandbox hosts (zero weight-loading
 time), alternating old, new, old, new, so both see the same machine:

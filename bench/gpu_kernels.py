@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""GPU checks of the DDTree payload, sized for one lent H200 (issue item 6a).
+"""GPU checks of the DDTree payload, sized for one lent H200.
 
     # on the GPU machine (bench/gpu_kernels_prepare.sh staged bench/.gpu_carry
     # and prints this line; carry that folder with the call):

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What a real `nvidia-smi` says about GPU memory holders, read by our own code (issue 12, item 2).
+"""What a real `nvidia-smi` says about GPU memory holders, read by our own code.
 
 The deploy asks the host's nvidia-smi who holds GPU memory (`ddtree_ops.host.gpus.QUERY`), tells our
 units' processes from strangers by their ancestry (`gpus.of_our_units`, the agent's
@@ -28,7 +28,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from ddtree_ops.host.agent import _ancestors, _cmdline  # noqa: E402
+from ddtree_ops.host.agent.procs import proc_ancestors as _ancestors  # noqa: E402
+from ddtree_ops.host.agent.procs import proc_cmdline as _cmdline  # noqa: E402
 from ddtree_ops.host.gpus import QUERY, foreign_apps, parse_gpu_apps  # noqa: E402
 
 MARKER = "PR_SET_PDEATHSIG: die with the unit"  # in every command line this script starts

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""End-to-end DDTree checks against real SGLang 0.5.23 servers (issue item 6b).
+"""End-to-end DDTree checks against real SGLang 0.5.23 servers.
 
 For an operator's GPU host whose venv has SGLang 0.5.23 with the ddtree-temp patch
 set installed (the lent GPU machine has no sglang and cannot run a server):

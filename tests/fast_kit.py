@@ -1,5 +1,6 @@
 """Fixtures of the fast tier: fake hosts (ddtree_ops.testing.fake_host) and small patch sets.
-No test host, no SSH: a deploy against a fake host takes milliseconds."""
+No test host, no SSH: a deploy against a fake host takes milliseconds, through the real
+`HostSession`, `ReleaseStore` and `Services` (only the link below them is fake)."""
 
 from __future__ import annotations
 

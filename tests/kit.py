@@ -194,10 +194,18 @@ class CliResult:
         return json.loads(self.stdout)
 
 
+def cli_module(env: dict | None) -> str:
+    """The command a test runs: `ddtree-ops` as an operator runs it, or, when the test hands it
+    test-hook variables (ddtree_ops.testing.pause_points), the same command with those hooks."""
+    from ddtree_ops.testing.pause_points import HOOK_VARIABLES
+
+    return "ddtree_ops.testing.hooked_cli" if set(env or {}) & set(HOOK_VARIABLES) else "ddtree_ops"
+
+
 def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> CliResult:
     """`ddtree-ops ARGS` in a subprocess, as an operator or a pipeline runs it."""
     full_env = {**os.environ, **(env or {})}
-    r = subprocess.run([sys.executable, "-m", "ddtree_ops", *args], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", cli_module(env), *args], capture_output=True, text=True,
                        timeout=timeout, env=full_env, stdin=subprocess.DEVNULL)
     return CliResult(r.returncode, r.stdout, r.stderr)
 
@@ -318,7 +326,7 @@ class CliProcess:
         self.out_path = workdir / f"cli-{os.getpid()}-{id(self)}.out"
         self.err_path = workdir / f"cli-{os.getpid()}-{id(self)}.err"
         with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "ddtree_ops", *args], stdout=out, stderr=err,
+            self.proc = subprocess.Popen([sys.executable, "-m", cli_module(env), *args], stdout=out, stderr=err,
                                          stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})},
                                          start_new_session=True)
 

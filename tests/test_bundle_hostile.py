@@ -1,4 +1,4 @@
-"""Untrusted bundles cannot run code or lie (issue 11): a corpus of hostile bundles, each built
+"""Untrusted bundles cannot run code or lie: a corpus of hostile bundles, each built
 here and handed to the real CLI (`plan` and `deploy --yes`, in-process through typer's runner),
 must end in exit 2 with one `error:` line naming the file and the problem, no traceback, nothing
 left in TMPDIR and no connection to the (loopback) host. Plus: the caps hold memory down (a
@@ -31,6 +31,7 @@ from typer.testing import CliRunner
 
 from ddtree_ops.artifacts import bundle as bundle_mod
 from ddtree_ops.artifacts.bundle import MANIFEST, BuiltBundle, build_bundle, open_bundle
+from ddtree_ops.artifacts.bundle_manifest import bundle_id
 from ddtree_ops.artifacts.resources import templates_dir as default_templates_dir
 from ddtree_ops.cli.commands import app
 from ddtree_ops.errors import BundleError, InputError
@@ -160,7 +161,7 @@ def truthful(members: list[tuple[str, bytes]], extra_listed: dict[str, bytes] | 
     files = [{"path": n, "size": len(d), "sha256": hashlib.sha256(d).hexdigest()} for n, d in sorted(listed.items())]
     ps = man["patchset"]
     man["files"] = files
-    man["id"] = bundle_mod._bundle_id(ps["name"], ps["version"], ps["digest"], files)
+    man["id"] = bundle_id(ps["name"], ps["version"], ps["digest"], files)
     return [(MANIFEST, json.dumps(man).encode())] + [(n, d) for n, d in members if n != MANIFEST]
 
 

@@ -1,9 +1,10 @@
-"""The fault matrix (issue 6): whatever happens during a deploy, every host ends on one whole
+"""The fault matrix: whatever happens during a deploy, every host ends on one whole
 release, old or new, never a mix, and healthy -- or the tool exits 4 and says precisely why.
 
 Real processes only: sandbox hosts (network + mount namespace, sshd, systemctl replacement,
 stand-in SGLang server), the CLI as a subprocess, SIGKILL/SIGINT sent by PID. To stop the tool at
-an exact point the deploy has a test hook (deploy.py, off by default):
+an exact point these tests run the CLI with test hooks injected (ddtree_ops.testing.hooked_cli;
+the product only calls the no-op `ddtree_ops.host.hooks.Hooks` it is given):
 DDTREE_OPS_TEST_PAUSE_AT=<point> + DDTREE_OPS_TEST_PAUSE_FILE=<path> make it write <path> and
 wait there until the file is removed.
 
@@ -18,7 +19,7 @@ Decisions these tests pin down:
   on the operator's side, in the environment variable named by `api_key_env`; the unit only says
   `--config FILE`, the health gate sends the key as a header and nothing prints it. A key in
   `extra_args` is refused by inventory validation (it would land in the unit and `ps`); see
-  tests/test_secrets.py for the rest of issue 11 (the key in the server's log, scrubbed).
+  tests/test_secrets.py for the rest of the secrets work (the key in the server's log, scrubbed).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import paramiko
 import pytest
 
 from ddtree_ops.host.localproc import pid_alive
-from ddtree_ops.testing.pause_points import FAULT
+from ddtree_ops.testing.pause_points import FAULT, PAUSE_AT, PAUSE_FILE
 from kit import _PRISTINE, DFLASH_INFO, host_tree, in_parallel, make_patchset, run_cli, upstream_file, wait_for
 
 DDTREE = "sglang-k26-ddtree.service"
@@ -44,7 +45,6 @@ DFLASH_UTILS = "sglang/srt/speculative/dflash_utils.py"
 PROBE = "sglang/srt/speculative/ddtree_probe.py"
 BIG = "sglang/srt/speculative/dflash_worker_v2.py"  # 132 kB upstream: fills a small disk
 STATE = "/var/lib/ddtree-ops"
-PAUSE_AT, PAUSE_FILE = "DDTREE_OPS_TEST_PAUSE_AT", "DDTREE_OPS_TEST_PAUSE_FILE"
 
 
 
@@ -274,7 +274,7 @@ def test_sigkill_at_each_point_frees_the_lock_and_the_next_plain_run_repairs(cle
 # A fault at a named remote call, one per phase (the fast tier covers every call on fake hosts)
 
 # (kind, call, n): the n-th call of that name fails ("fail") or the SSH connection is cut just
-# before it ("drop"); see ddtree_ops/pause_points.py.
+# before it ("drop"); see ddtree_ops/testing/pause_points.py.
 PHASE_FAULTS = [
     ("fail", "journal", 1),                  # recording the release, before the backup
     ("drop", "backup", 1),                   # backup
@@ -490,7 +490,7 @@ def test_remote_commands_quote_every_value(clean_host, tmp_path):
     import dataclasses
 
     from ddtree_ops.artifacts.patchset import load_patchset
-    from ddtree_ops.host.release_store import agent_argv
+    from ddtree_ops.host.channel import agent_argv
     from ddtree_ops.host.session import session_to
     from ddtree_ops.host.transport import connect, shell_join
     from ddtree_ops.runbook.plan import read_host

@@ -315,7 +315,7 @@ def test_one_range_check_serves_inventory_command_line_and_render(monkeypatch):
     assert (0, 1, 1024) in calls
 
 
-# --------------------------------------------------------------------------- hardened input (issue 11)
+# --------------------------------------------------------------------------- hardened input
 
 @pytest.mark.parametrize("state_dir", ["/var/lib/ddtree-ops", "/srv/ddtree-ops", "/opt/ddtree-ops/state",
                                        "/home/alice/ddtree-ops", "/root/ddtree-ops", "/var/lib/ddtree-ops/ct200"])

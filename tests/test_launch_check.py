@@ -1,4 +1,4 @@
-"""The launch check that runs before anything stops (issue 12, deliverable 3): the launch line
+"""The launch check that runs before anything stops: the launch line
 from the rendered unit, the verdicts, and the agent's parse and port holders for real."""
 
 from __future__ import annotations

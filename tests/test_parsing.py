@@ -162,7 +162,7 @@ def test_the_agent_runs_isolated_without_site_or_pythonpath(tmp_path):
     import os
     import sys
 
-    from ddtree_ops.host.release_store import agent_argv
+    from ddtree_ops.host.channel import agent_argv
 
     marker = tmp_path / "ran"
     evil = tmp_path / "evil"

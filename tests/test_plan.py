@@ -96,7 +96,7 @@ def test_the_unit_diff_is_redacted_and_only_active_conflicts_are_stopped(host, p
     assert idle.stop_units == ()
 
 
-# --------------------------------------------------------------------------- secrets_config (issue 11)
+# --------------------------------------------------------------------------- secrets_config
 # The API key reaches SGLang through a 0600 YAML file passed with `--config` (secrets_config); the
 # preflight checks the file's facts (exists, regular file, mode, owner), never its content.
 

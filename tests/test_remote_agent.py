@@ -14,7 +14,8 @@ import threading
 import pytest
 
 from ddtree_ops.errors import UnreachableError
-from ddtree_ops.host import agent
+from ddtree_ops.host.agent.scrub import scrubbed, secret_values
+from ddtree_ops.host.agent.statedir import STATE_MARKER, ensure_state_dir
 from ddtree_ops.testing.local_agent import agent_pid, kill_agent, local_agent
 
 
@@ -46,12 +47,40 @@ def host(tmp_path):
     os.chmod(site / "pkg" / "mod.py", 0o640)
     (site / "pkg" / "__pycache__" / "mod.cpython-311.pyc").write_bytes(b"stale")
     (site / "pkg" / "__pycache__" / "other.cpython-311.pyc").write_bytes(b"keep")
-    agent.ensure_state_dir(str(tmp_path / "state"))  # as the lock, the first step of any operation, does
+    ensure_state_dir(str(tmp_path / "state"))  # as the lock, the first step of any operation, does
     return {"site": site, "state": tmp_path / "state"}
 
 
 def _sha(b: bytes) -> str:
     return hashlib.sha256(b).hexdigest()
+
+
+def test_the_typed_store_drives_the_agent_process_through_a_release(host):
+    """The controller's typed calls, as the runbook makes them, against a real agent process
+    started from the joined source: lock, backup, install, a corrupted backup refused, restore."""
+    from types import SimpleNamespace
+
+    from ddtree_ops.host.agent.protocol import BackupPath, InstallFile
+    from ddtree_ops.host.release_store import ReleaseStore
+
+    mod = str(host["site"] / "pkg" / "mod.py")
+    ch = local_agent()
+    try:
+        store = ReleaseStore(ch, SimpleNamespace(name="local", state_dir=str(host["state"]),
+                                                 site_packages=str(host["site"]), unit_path="/nonexistent.service"))
+        store.acquire_lock("test")
+        store.backup("r1", [BackupPath(mod)])
+        store.install([InstallFile(mod, base64.b64encode(b"NEW = 2\n").decode(), _sha(b"NEW = 2\n"))])
+        assert store.facts([mod])["files"][mod]["sha256"] == _sha(b"NEW = 2\n")
+        assert store.verify_backup("r1") == [] and store.remove_partial("r1")
+        stored = host["state"] / "releases" / "r1" / "backup" / "files" / "0000"
+        good = stored.read_bytes()
+        stored.write_bytes(b"tampered")  # control: the same restore refuses a corrupted backup
+        assert store.restore("r1").refused and open(mod, "rb").read() == b"NEW = 2\n"
+        stored.write_bytes(good)
+        assert not store.restore("r1").refused and open(mod, "rb").read() == b"OLD = 1\n"
+    finally:
+        ch.close()
 
 
 def test_backup_install_restore_round_trip_is_byte_identical_with_mode(host):
@@ -208,7 +237,7 @@ def test_a_state_dir_the_tool_did_not_create_is_refused_and_left_alone(tmp_path)
     assert stat.S_IMODE(system.stat().st_mode) == 0o755 and os.listdir(system) == ["dpkg"]
     fresh = tmp_path / "new" / "ddtree-ops"
     assert call({"op": "lock", "state_dir": str(fresh), "holder": {"token": "t"}})["acquired"]
-    assert stat.S_IMODE(fresh.stat().st_mode) == 0o700 and (fresh / agent.STATE_MARKER).is_file()
+    assert stat.S_IMODE(fresh.stat().st_mode) == 0o700 and (fresh / STATE_MARKER).is_file()
 
 
 def test_a_corrupt_journal_is_reported_not_raised(host):
@@ -225,7 +254,7 @@ def test_the_agent_runs_only_systemctl_and_journalctl_and_never_a_shell(host):
 
 def test_compile_uses_the_hosts_interpreter_and_reports_file_and_line(host):
     bad = base64.b64encode(b"x = 1\ndef f(:\n").decode()
-    res = call({"op": "compile", "state_dir": str(host["state"]), "files": {"/x/ddtree_bad.py": bad}})
+    res = call({"op": "compile", "files": {"/x/ddtree_bad.py": bad}})
     assert len(res["errors"]) == 1 and res["errors"][0].startswith("/x/ddtree_bad.py:2: SyntaxError")
 
 
@@ -261,10 +290,10 @@ def test_secret_files_leave_no_hash_and_their_values_are_blanked_from_log_tails(
                   "unit_path": str(host["site"] / "x.service"), "paths": [], "secret_paths": [str(secrets)]})
     f = facts["files"][str(secrets)]
     assert f["exists"] and f["sha256"] is None and f["mode"] == stat.S_IMODE(secrets.stat().st_mode)
-    values = agent._secret_values([str(secrets), str(envf)], ["KEY", "TOKEN"])
+    values = secret_values([str(secrets), str(envf)], ["KEY", "TOKEN"])
     assert values == ["sk-live-123456", "hf_abcdef"]
-    res = agent._scrubbed({"stdout": "server_args={'api_key': 'sk-live-123456', 'port': 30000} hf_abcdef\n",
-                           "stderr": ""}, values)
+    res = scrubbed({"stdout": "server_args={'api_key': 'sk-live-123456', 'port': 30000} hf_abcdef\n",
+                    "stderr": ""}, values)
     assert res["stdout"] == "server_args={'api_key': '***', 'port': 30000} ***\n"
 
 

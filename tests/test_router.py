@@ -17,14 +17,9 @@ import httpx
 import pytest
 
 from ddtree_ops.config.inventory import parse_inventory
+from ddtree_ops.config.router_settings import RouterSettings, normalize_url, parse_router
 from ddtree_ops.errors import DdtreeOpsError, InputError
-from ddtree_ops.gates.router import (
-    RouterError,
-    RouterSettings,
-    SmgRouter,
-    normalize_url,
-    parse_router,
-)
+from ddtree_ops.gates.router import RouterError, SmgRouter
 from kit import wait_for
 
 KEY_ENV = "DDTREE_TEST_ROUTER_KEY"

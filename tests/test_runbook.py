@@ -24,6 +24,7 @@ from ddtree_ops.fleet.rollout import Target
 from ddtree_ops.host.gpus import GpuApp
 from ddtree_ops.host.journal import journal_problem
 from ddtree_ops.runbook.deploy import deploy_host
+from ddtree_ops.runbook.events import StepDone, quiet
 from ddtree_ops.runbook.phases import DeployOptions
 from ddtree_ops.runbook.results import Outcome
 from ddtree_ops.runbook.rollback import rollback_host
@@ -188,8 +189,8 @@ def test_no_rollback_leaves_the_failed_release_in_place(fake, versioned_patchset
 def test_ctrl_c_in_the_middle_rolls_back(fake, patchset):
     before = snapshot(fake)
 
-    def report(host, msg):
-        if msg.startswith("restart"):
+    def report(event):
+        if isinstance(event, StepDone) and event.step == "restart":
             raise KeyboardInterrupt
 
     with pytest.raises(Interrupted) as ei:
@@ -241,7 +242,7 @@ def test_a_multinode_server_restarts_rank_0_last_and_gates_on_node_0_only(fake_s
     for n in fake_server:
         n.events = _Recorder(order, n.host.name)
     target = Target("server1", (n0.host, n1.host))
-    rows = deploy_server(target, patchset, OPTS, connect=_connect(fake_server), report=lambda h, m: None)
+    rows = deploy_server(target, patchset, OPTS, connect=_connect(fake_server), report=quiet)
 
     assert [r.outcome for r in rows] == [Outcome.DEPLOYED, Outcome.DEPLOYED]
     assert len({r.release for r in rows}) == 1
@@ -261,13 +262,13 @@ def test_a_multinode_failure_rolls_every_node_back_rank_0_last(fake_server, vers
         n.events = _Recorder(order, n.host.name)
     target = Target("server1", (n0.host, n1.host))
     rows = deploy_server(target, versioned_patchset(marker=b"\n# " + FAKE_CRASH + b"\n"), OPTS,
-                         connect=_connect(fake_server), report=lambda h, m: None)
+                         connect=_connect(fake_server), report=quiet)
 
     assert [r.outcome for r in rows] == [Outcome.ROLLED_BACK, Outcome.ROLLED_BACK]
     assert [snapshot(n) for n in fake_server] == before
     restores = [e.split(":")[0] for e in order if e.endswith("agent restore")]
     assert restores == ["fh2", "fh1"]
-    back = rollback_server(target, None, OPTS, connect=_connect(fake_server), report=lambda h, m: None)
+    back = rollback_server(target, None, OPTS, connect=_connect(fake_server), report=quiet)
     assert [r.outcome for r in back] == [Outcome.REFUSED, Outcome.REFUSED]  # nothing left to roll back
 
 
@@ -284,7 +285,7 @@ class _Recorder(list):
 
 
 # ---------------------------------------------------------------------------------------------
-# one transaction scope: a fault at ANY remote call (issue 11, deliverable 1)
+# one transaction scope: a fault at ANY remote call
 
 
 def _calls_of_a_clean_deploy(tmp_path, ps) -> int:
@@ -333,7 +334,7 @@ def test_a_fault_at_any_remote_call_of_a_multinode_deploy_rolls_every_node_back_
                                                                                             kind):
     counting = fake_hosts(tmp_path / "count", 2, multinode=True)
     target = Target("server1", tuple(n.host for n in counting))
-    deploy_server(target, patchset, OPTS, connect=_connect(counting), report=lambda h, m: None)
+    deploy_server(target, patchset, OPTS, connect=_connect(counting), report=quiet)
     n_calls = counting[node].calls
     codes = set()
     for k in range(1, n_calls + 1):
@@ -341,7 +342,7 @@ def test_a_fault_at_any_remote_call_of_a_multinode_deploy_rolls_every_node_back_
         before = [snapshot(n) for n in nodes]
         nodes[node].fault_at_call = (kind, k)
         rows = deploy_server(Target("server1", tuple(n.host for n in nodes)), patchset, OPTS,
-                             connect=_connect(nodes), report=lambda h, m: None)
+                             connect=_connect(nodes), report=quiet)
         nodes[node].fault_at_call = None
         where = f"fault on node {node} at call {k} ({nodes[node].events[k - 1]}): {[r.outcome for r in rows]}"
         assert len({r.outcome for r in rows}) == 1, where  # the nodes end together
@@ -489,7 +490,7 @@ def test_journal_problem_accepts_what_the_tool_writes_and_names_what_it_did_not(
 
 
 # ---------------------------------------------------------------------------------------------
-# the launch line is checked before anything stops (issue 12, deliverable 3)
+# the launch line is checked before anything stops
 
 
 @pytest.mark.parametrize("problem", ["parser", "port"])
@@ -516,7 +517,7 @@ def test_a_port_held_by_the_unit_being_replaced_is_fine(fake, patchset):
 
 
 # ---------------------------------------------------------------------------------------------
-# draining before a stop, without a router (issue 12, deliverable 1, first part)
+# draining before a stop, without a router
 
 
 def test_in_flight_requests_finish_before_the_serving_unit_stops(fake, patchset):
@@ -547,7 +548,7 @@ def test_a_rollback_drains_the_release_it_stops(fake, patchset):
 
 
 # ---------------------------------------------------------------------------------------------
-# GPUs free before start (issue 12, deliverable 2)
+# GPUs free before start
 
 
 def _gpu(fake, pid, mib, cmd="python3 -m sglang.launch_server", ancestors=(1,)):

@@ -1,4 +1,4 @@
-"""Secrets stay secret (issue 11): the API key reaches SGLang through a 0600 YAML file
+"""Secrets stay secret: the API key reaches SGLang through a 0600 YAML file
 passed with `--config` (inventory `secrets_config`), never through the unit or the command line;
 what the controller shows or returns of a server's log is scrubbed (redaction.scrub); the
 stand-in merges `--config` and logs its arguments as SGLang 0.5.23 does.
@@ -291,7 +291,7 @@ def test_a_failed_deploy_on_a_fake_host_returns_and_records_no_key(tmp_path, mon
     reported: list[str] = []
     with pytest.raises(DeployFailed) as ei:
         deploy_host(session, versioned_patchset(marker=b"\n# " + FAKE_CRASH + b"\n"), DeployOptions(reconnect_s=5),
-                    lambda h, m: reported.append(m))
+                    lambda event: reported.append(event.text))
     r = ei.value.result
     assert r.outcome == Outcome.ROLLED_BACK and r.failed_step == "wait for weights"
     assert "'api_key': '***'" in r.log[0]

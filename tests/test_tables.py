@@ -37,7 +37,7 @@ def test_fit_cuts_only_on_a_terminal(monkeypatch):
     assert fit("x" * 100, 10) == "x" * 9 + "…" and fit("short", 10) == "short"
 
 
-# --------------------------------------------------------------------------- remote text is literal (issue 11)
+# --------------------------------------------------------------------------- remote text is literal
 
 # What a host may send: Rich markup, a hyperlink, an emoji code and a terminal escape sequence.
 EVIL = "[red]x[/red] [link=http://evil]y[/link] :warning: [bold]"
@@ -105,17 +105,17 @@ def test_the_live_view_shows_each_running_hosts_phase_with_its_own_elapsed_time(
     from rich.console import Console
 
     from ddtree_ops.cli import liveview as fleetview
-    from ddtree_ops.runbook.results import PHASE_EVENT
+    from ddtree_ops.runbook.events import Note, PhaseStarted
 
     now = [100.0]
     monkeypatch.setattr(fleetview.time, "monotonic", lambda: now[0])
     p = fleetview.LiveProgress()
     p.state("h1", "running")
     p.state("h2", "running")
-    p.event("h1", PHASE_EVENT + "cuda graphs")
-    p.event("h1", "waiting  3.0 s: cuda graphs 0 s; /health refused")
+    p.event(PhaseStarted("h1", "cuda graphs"))
+    p.event(Note("h1", "waiting  3.0 s: cuda graphs 0 s; /health refused"))
     now[0] = 142.0
-    p.event("h2", PHASE_EVENT + "drain")
+    p.event(PhaseStarted("h2", "drain"))
     now[0] = 150.0
     con = Console(record=True, width=200)
     con.print(p._table())

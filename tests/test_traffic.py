@@ -5,16 +5,23 @@ tests (test_live_traffic.py)."""
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
+
 import pytest
 
 from ddtree_ops.errors import DeployFailed, PreflightError
+from ddtree_ops.fleet.actions import rolling_deploy
+from ddtree_ops.fleet.rollout import Target
+from ddtree_ops.fleet.routing import router_for
+from ddtree_ops.gates.router import SmgRouter
 from ddtree_ops.gates.workload import Measurement
 from ddtree_ops.runbook import traffic
 from ddtree_ops.runbook.deploy import deploy_host
 from ddtree_ops.runbook.phases import DeployOptions
 from ddtree_ops.runbook.results import Outcome
 from ddtree_ops.runbook.rollback import rollback_host
-from ddtree_ops.testing.fake_host import DFLASH_UNIT, fake_hosts
+from ddtree_ops.testing.fake_host import DFLASH_UNIT, FakeHost, fake_hosts
 from ddtree_ops.testing.fake_router import FakeSmg
 
 ROUTER = {"url": "http://router.test:30000", "admin_key_env": "DDTREE_TEST_ROUTER_KEY"}
@@ -44,12 +51,27 @@ def speeds(monkeypatch):
     return install
 
 
+@dataclass
+class Routed:
+    """A fake host behind an in-memory smg. The router's client is built beside the host's session,
+    as the fleet builds it (fleet/routing.py), and handed to the runbook."""
+
+    fake: FakeHost
+    smg: FakeSmg
+
+    def router(self) -> SmgRouter:
+        return self.smg.client(self.fake.host.router, sleep=lambda s: self.fake.tick())
+
+    def deploy(self, ps, *, with_router: bool = True):
+        return deploy_host(self.fake.session(), ps, DeployOptions(reconnect_s=5),
+                           router=self.router() if with_router else None)
+
+
 @pytest.fixture
-def routed(tmp_path, monkeypatch):
+def routed(tmp_path, monkeypatch) -> Routed:
     monkeypatch.setenv("DDTREE_TEST_ROUTER_KEY", "k-123456")
     fake = fake_hosts(tmp_path / "h", router=ROUTER)[0]
-    fake.smg = FakeSmg([fake.host.base_url, "http://10.0.0.99:30000"], key="k-123456")
-    return fake
+    return Routed(fake, FakeSmg([fake.host.base_url, "http://10.0.0.99:30000"], key="k-123456"))
 
 
 def record(fake, rid: str) -> dict:
@@ -58,17 +80,26 @@ def record(fake, rid: str) -> dict:
 
 
 def test_the_worker_leaves_the_router_before_the_old_server_stops_and_is_routed_again_after_the_gate(routed, patchset):
-    routed.smg.events = routed.events  # one timeline: the router's changes among the host's
-    r = deploy_host(routed.session(), patchset, DeployOptions(reconnect_s=5))
+    fake = routed.fake
+    routed.smg.events = fake.events  # one timeline: the router's changes among the host's
+    r = routed.deploy(patchset)
     assert r.outcome == Outcome.DEPLOYED
-    ev, url = routed.events, routed.host.base_url
+    ev, url = fake.events, fake.host.base_url
     gate = max(i for i, e in enumerate(ev) if e == "http POST /generate" and i < ev.index(f"register {url}"))
     assert ev.index(f"deregister {url}") < ev.index(f"systemctl stop {DFLASH_UNIT}")
-    assert ev.index(f"systemctl restart {routed.host.unit}") < gate < ev.index(f"register {url}")
+    assert ev.index(f"systemctl restart {fake.host.unit}") < gate < ev.index(f"register {url}")
     assert ev.index(f"register {url}") < ev.index("agent set_current")  # routed before the commit
     assert sorted(routed.smg.routed()) == sorted([url, "http://10.0.0.99:30000"])
     steps = [s["step"] for s in r.steps]
     assert steps.index("health gate") < steps.index("register") < steps.index("committed")
+
+
+def test_the_router_is_reached_only_through_the_client_handed_to_the_runbook(routed, patchset):
+    """The host's session holds no router: without a client the same deploy never touches smg
+    (the control of the test above)."""
+    r = routed.deploy(patchset, with_router=False)
+    assert r.outcome == Outcome.DEPLOYED
+    assert routed.smg.events == [] and "register" not in [s["step"] for s in r.steps]
 
 
 def test_a_deploy_that_fails_after_leaving_the_router_puts_the_restored_server_back_in_it(routed, versioned_patchset):
@@ -76,33 +107,65 @@ def test_a_deploy_that_fails_after_leaving_the_router_puts_the_restored_server_b
 
     ps = versioned_patchset(marker=b"\n# " + FAKE_CRASH + b"\n")
     with pytest.raises(DeployFailed):
-        deploy_host(routed.session(), ps, DeployOptions(reconnect_s=5))
-    url = routed.host.base_url
+        routed.deploy(ps)
+    url = routed.fake.host.base_url
     assert routed.smg.events == [f"deregister {url}", f"register {url}"]
-    assert routed.host.base_url in routed.smg.routed()
-    assert routed.units[DFLASH_UNIT].active == "active"
+    assert url in routed.smg.routed()
+    assert routed.fake.units[DFLASH_UNIT].active == "active"
 
 
 def test_an_unreachable_router_or_a_missing_key_refuses_before_anything_changes(routed, patchset, monkeypatch):
     routed.smg.down = True
     with pytest.raises(PreflightError, match="router http://router.test:30000"):
-        deploy_host(routed.session(), patchset, DeployOptions(reconnect_s=5))
+        routed.deploy(patchset)
     routed.smg.down = False
     monkeypatch.delenv("DDTREE_TEST_ROUTER_KEY")
     with pytest.raises(PreflightError, match="DDTREE_TEST_ROUTER_KEY"):
-        deploy_host(routed.session(), patchset, DeployOptions(reconnect_s=5))
-    assert not [e for e in routed.events if e.startswith(("agent install", "systemctl stop"))]
+        routed.deploy(patchset)
+    assert not [e for e in routed.fake.events if e.startswith(("agent install", "systemctl stop"))]
     assert routed.smg.events == []
 
 
 def test_a_rollback_takes_the_worker_out_drains_and_puts_it_back(routed, patchset):
-    deploy_host(routed.session(), patchset, DeployOptions(reconnect_s=5))
+    routed.deploy(patchset)
     routed.smg.events.clear()
-    r = rollback_host(routed.session(), None, DeployOptions(reconnect_s=5))
+    r = rollback_host(routed.fake.session(), None, DeployOptions(reconnect_s=5), router=routed.router())
     assert r.outcome == Outcome.ROLLED_BACK
-    url = routed.host.base_url
+    url = routed.fake.host.base_url
     assert routed.smg.events == [f"deregister {url}", f"register {url}"]
-    assert routed.host.base_url in routed.smg.routed()
+    assert url in routed.smg.routed()
+
+
+def test_the_inventorys_router_client_is_built_by_the_fleet_and_none_without_a_router(tmp_path):
+    with router_for(fake_hosts(tmp_path / "plain")[0].host) as none:
+        assert none is None
+    with router_for(fake_hosts(tmp_path / "routed", router=ROUTER)[0].host) as client:
+        assert isinstance(client, SmgRouter) and client.settings.url == ROUTER["url"]
+
+
+@pytest.mark.parametrize("with_router", [True, False])
+def test_a_rolling_deploy_hands_each_host_the_router_client_its_routers_build(routed, patchset, with_router):
+    """The fleet builds the client beside the host's session and closes it after the host's run;
+    a factory yielding no client (the control) leaves the router untouched."""
+    opened: list[str] = []
+
+    @contextlib.contextmanager
+    def routers(host):
+        if not with_router:
+            yield None
+            return
+        opened.append(host.name)
+        with routed.router() as client:
+            yield client
+        opened.append("closed")
+
+    fake = routed.fake
+    result = rolling_deploy([Target(fake.host.name, (fake.host,))], patchset, DeployOptions(reconnect_s=5),
+                            connect=lambda host: fake.session(), routers=routers)
+    assert [r.outcome for r in result.results] == [Outcome.DEPLOYED]
+    url = fake.host.base_url
+    assert routed.smg.events == ([f"deregister {url}", f"register {url}"] if with_router else [])
+    assert opened == ([fake.host.name, "closed"] if with_router else [])
 
 
 def gated(tmp_path, **vars):

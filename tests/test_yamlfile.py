@@ -96,7 +96,7 @@ def test_a_broken_manifest_names_the_manifest_and_position(tmp_path):
         load_patchset(str(d))
 
 
-# --------------------------------------------------------------------------- aliases bounded (issue 11)
+# --------------------------------------------------------------------------- aliases bounded
 
 def _laughs(levels: int, width: int = 9) -> str:
     """The "billion laughs": each level a list of `width` aliases of the level below."""

@@ -25,8 +25,9 @@ and refuses (BundleError, exit 2, one line naming the file) before anything uses
   (`templates/./x.j2`, `templates//x.j2`, `/x`, `a/../b`, backslashes, duplicates, a name that
   is both a file and a folder: refused), only `bundle.json`, `patchset/manifest.yaml`,
   `patchset/files/...` and `templates/*.j2`; the gzip CRC and length checked to the end;
-* every member against the manifest (size before reading, sha256 after), the id against the
-  content;
+* bundle.json by its tables (bundle_manifest.py: every key there and no other, each value of
+  its row's type and form); every member against it (size before reading, sha256 after), the id
+  against the content;
 * only then a second pass writes the members into a private temp folder (O_EXCL: nothing is ever
   overwritten), checking the same hashes again, and the patch set is loaded to its digest.
 
@@ -50,26 +51,31 @@ import tempfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterable, Protocol
+from typing import BinaryIO, Callable, Iterable
 
+from ..config.schema import Invalid
 from ..errors import BundleError, InputError, shown
+from .bundle_manifest import (
+    FORMAT,
+    ID_RE,
+    MANIFEST,
+    MAX_MEMBER,
+    MAX_MEMBERS,
+    MAX_NAME,
+    SHA_RE,
+    bundle_id,
+    name_problem,
+    parse_bundle_manifest,
+)
 from .patchset import PatchSet, load_patchset
 from .resources import templates_dir as default_templates_dir
-
-FORMAT = "ddtree-ops-bundle/1"
-MANIFEST = "bundle.json"
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*-[0-9a-f]{16}$")
-_SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+from .signature_policy import SignatureCheck, SignerPolicy, bundle_check
 
 # Caps: a bundle over any of them is refused as soon as the cap is crossed, before the rest is read.
 MAX_BUNDLE_BYTES = 64 * 1024 * 1024  # the .tar.gz file itself
 MAX_UNCOMPRESSED = 256 * 1024 * 1024  # every decompressed byte: headers, data, padding
-MAX_MEMBERS = 10_000  # files in the archive
-MAX_MEMBER = 64 * 1024 * 1024  # one file
 MAX_MANIFEST = 4 * 1024 * 1024  # bundle.json (10 000 entries take about 1 MiB)
 MAX_PATCHSET_MANIFEST = 1024 * 1024  # patchset/manifest.yaml
-MAX_JSON_DEPTH = 8  # nesting of bundle.json ([ and {); the real one has 3
-MAX_NAME = 1024  # characters of a member name
 MAX_TRAILER = 1024 * 1024  # zero bytes after the tar end-of-archive block
 MAX_SIGNATURE = 64 * 1024  # the .sig file
 
@@ -95,12 +101,6 @@ def _one_line(text: str) -> str:
 def _fail(p: Path | str, problem: str) -> BundleError:
     """The error for bundle `p`: one line, naming the file."""
     return BundleError(_one_line(f"bundle {p}: {problem}"))
-
-
-def _bundle_id(name: str, version: str, digest: str, files: list[dict]) -> str:
-    canon = json.dumps({"format": FORMAT, "patchset": {"name": name, "version": version, "digest": digest},
-                        "files": files}, sort_keys=True, separators=(",", ":"))
-    return f"{name}-{version}-{_sha(canon.encode())[:16]}"
 
 
 # --------------------------------------------------------------------------- building
@@ -153,7 +153,7 @@ def build_bundle(patchset: str, out_dir: str | Path, templates_dir: str | Path |
     ps = load_patchset(patchset)
     members = _collect(ps, Path(templates_dir) if templates_dir else default_templates_dir())
     files = [{"path": n, "size": len(d), "sha256": _sha(d)} for n, d in sorted(members.items())]
-    bid = _bundle_id(ps.name, ps.version, ps.digest(), files)
+    bid = bundle_id(ps.name, ps.version, ps.digest(), files)
     manifest = {"format": FORMAT, "id": bid,
                 "patchset": {"name": ps.name, "version": ps.version, "digest": ps.digest(),
                              "sglang": str(ps.sglang_spec)},
@@ -173,14 +173,6 @@ def build_bundle(patchset: str, out_dir: str | Path, templates_dir: str | Path |
 
 
 # --------------------------------------------------------------------------- signatures
-
-class SignerPolicy(Protocol):
-    """Who may sign bundles (the inventory's `bundle_signers`, inventory.BundleSigners)."""
-
-    allowed_signers: str
-    identity: str
-    required: bool
-
 
 def signature_path(bundle: str | Path) -> Path:
     return Path(str(bundle) + SIG_SUFFIX)
@@ -267,39 +259,6 @@ def _verify_signature(p: Path, fh: BinaryIO, sig: Path, policy: SignerPolicy) ->
 
 
 # --------------------------------------------------------------------------- reading: names
-
-_TEMPLATE_MEMBER_RE = re.compile(r"^templates/[A-Za-z0-9_.-]+\.j2$")
-
-
-def name_problem(name: str) -> str | None:
-    """None if `name` is a canonical bundle member name, else what is wrong with it.
-
-    Canonical: printable ASCII, relative, '/'-separated with no empty, '.' or '..' component, no
-    backslash, no trailing '/', at most MAX_NAME characters; and one of `bundle.json`,
-    `patchset/manifest.yaml`, `patchset/files/<path>`, `templates/<name>.j2`."""
-    if not name:
-        return "the name is empty"
-    if len(name) > MAX_NAME:
-        return f"the name is longer than {MAX_NAME} characters"
-    if any(not 32 <= ord(c) < 127 for c in name):
-        return "the name has characters outside printable ASCII"
-    if "\\" in name:
-        return "the name contains a backslash"
-    if name.startswith("/"):
-        return "the name is absolute"
-    if name.endswith("/"):
-        return "the name ends with '/' (a folder)"
-    parts = name.split("/")
-    if "" in parts:
-        return "the name has an empty component ('//')"
-    if "." in parts or ".." in parts:
-        return "the name has a '.' or '..' component"
-    if name in (MANIFEST, "patchset/manifest.yaml") or _TEMPLATE_MEMBER_RE.match(name):
-        return None
-    if name.startswith("patchset/files/"):
-        return None
-    return "only bundle.json, patchset/manifest.yaml, patchset/files/... and templates/*.j2 may be in a bundle"
-
 
 class _Names:
     """Canonical, unique names; no name that is both a file and a folder."""
@@ -494,86 +453,12 @@ def _scan_tar(p: Path, s: _Capped, sink: MemberSink) -> None:
 
 # --------------------------------------------------------------------------- reading: the manifest
 
-def _json_depth(text: str) -> int:
-    depth = deepest = 0
-    for m in re.finditer(r'"(?:[^"\\]|\\.)*"|[\[\]{}]', text):
-        c = m.group()
-        if c in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif c in "]}":
-            depth -= 1
-    return deepest
-
-
-def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
-    out: dict = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"the key {shown(k)} appears twice")
-        out[k] = v
-    return out
-
-
-def _no_constants(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
 def _parse_manifest(p: Path, data: bytes) -> tuple[dict, dict[str, dict]]:
-    """bundle.json → (manifest, {path: file entry}); every field checked for type and form."""
-
-    def bad(problem: str) -> BundleError:
-        return _fail(p, f"{MANIFEST}: {problem}")
-
+    """bundle.json → (manifest, {path: file entry}): bundle_manifest.py's tables; BundleError."""
     try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise bad("is not UTF-8 text") from None
-    if _json_depth(text) > MAX_JSON_DEPTH:
-        raise bad(f"is nested more than {MAX_JSON_DEPTH} levels deep")
-    try:
-        doc = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_no_constants)
-    except (ValueError, RecursionError) as e:
-        raise bad(f"is not valid JSON: {e}") from None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        found = doc.get("format") if isinstance(doc, dict) else None
-        raise _fail(p, f"unknown format {shown(found)} (expected {FORMAT})")
-    keys = {"format", "id", "patchset", "files"}
-    if set(doc) != keys:
-        raise bad(f"must have exactly the keys {', '.join(sorted(keys))}, has {shown(sorted(doc))}")
-    bid, psinfo, files = doc["id"], doc["patchset"], doc["files"]
-    if not isinstance(bid, str) or not _ID_RE.match(bid):
-        raise bad(f"id {shown(bid)} is not a bundle id (<name>-<version>-<16 hex>)")
-    ps_keys = {"name", "version", "digest", "sglang"}
-    if not isinstance(psinfo, dict) or set(psinfo) != ps_keys or not all(isinstance(v, str) for v in psinfo.values()):
-        raise bad(f"patchset must be a mapping of the strings {', '.join(sorted(ps_keys))}, got {shown(psinfo)}")
-    if not _SHA_RE.match(psinfo["digest"]):
-        raise bad(f"patchset.digest {shown(psinfo['digest'])} is not 64 lowercase hex digits")
-    if not isinstance(files, list) or len(files) > MAX_MEMBERS:
-        raise bad(f"files must be a list of at most {MAX_MEMBERS} entries")
-    listed: dict[str, dict] = {}
-    for i, f in enumerate(files):
-        if not isinstance(f, dict) or set(f) != {"path", "size", "sha256"}:
-            raise bad(f"files[{i}] must be a mapping of path, size and sha256, got {shown(f)}")
-        path, size, sha = f["path"], f["size"], f["sha256"]
-        problem = name_problem(path) if isinstance(path, str) else "is not a string"
-        if problem or path == MANIFEST:
-            raise bad(f"files[{i}].path {shown(path)}: {problem or 'the manifest does not list itself'}")
-        if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= MAX_MEMBER:
-            raise bad(f"files[{i}].size must be an integer 0..{MAX_MEMBER}, got {shown(size)}")
-        if not isinstance(sha, str) or not _SHA_RE.match(sha):
-            raise bad(f"files[{i}].sha256 must be 64 lowercase hex digits, got {shown(sha)}")
-        if path in listed:
-            raise bad(f"files lists {shown(path)} twice")
-        listed[path] = f
-    if not any(n.startswith("templates/") for n in listed):
-        raise _fail(p, "has no unit templates")
-    if "patchset/manifest.yaml" not in listed:
-        raise _fail(p, "has no patchset/manifest.yaml")
-    expect = _bundle_id(psinfo["name"], psinfo["version"], psinfo["digest"], [listed[n] for n in sorted(listed)])
-    if expect != bid:
-        raise _fail(p, f"id {bid} does not match its content ({expect}): the bundle was modified")
-    return doc, listed
+        return parse_bundle_manifest(data)
+    except Invalid as e:
+        raise _fail(p, e.problem) from None
 
 
 class _Verifier:
@@ -678,7 +563,7 @@ def check_expect_id(value: str) -> str:
     v = value.strip()
     if re.match(r"^[0-9A-Fa-f]{64}$", v):
         return v.lower()
-    if _ID_RE.match(v):
+    if ID_RE.match(v):
         return v
     raise InputError(f"--expect-id {shown(value)}: give the bundle id (<name>-<version>-<16 hex>) or the "
                      f"sha256 of the bundle file (64 hex digits)")
@@ -717,10 +602,11 @@ def open_bundle(path: str | Path, *, expect_id: str | None = None,
 def _check_signature(p: Path, fh: BinaryIO, policies: list[SignerPolicy]) -> tuple[str, tuple[str, ...]]:
     """(sha256 of the file, who signed it per policy). The raw bytes only: nothing is parsed yet."""
     sig = signature_path(p)
-    if not policies or not sig.exists():
-        if any(pol.required for pol in policies):
-            raise _fail(p, f"has no signature ({sig.name} not found) and the inventory requires one "
-                           f"(bundle_signers.required): sign it with `ddtree-ops bundle --sign-key KEY`")
+    check = bundle_check(policies, sig.exists())
+    if check is SignatureCheck.MISSING:
+        raise _fail(p, f"has no signature ({sig.name} not found) and the inventory requires one "
+                       f"(bundle_signers.required): sign it with `ddtree-ops bundle --sign-key KEY`")
+    if check is SignatureCheck.SKIP:
         fh.seek(0)
         h = hashlib.sha256()
         for chunk in iter(lambda: fh.read(_CHUNK), b""):
@@ -745,7 +631,7 @@ def _check_signature(p: Path, fh: BinaryIO, policies: list[SignerPolicy]) -> tup
 def _open(p: Path, fh: BinaryIO, expect: str | None, policies: list[SignerPolicy]) -> OpenBundle:
     # 1. Authenticity, on the raw bytes.
     sha, signed_by = _check_signature(p, fh, policies)
-    if expect is not None and _SHA_RE.match(expect) and expect != sha:
+    if expect is not None and SHA_RE.match(expect) and expect != sha:
         raise _fail(p, f"expected {expect} (--expect-id), but the file's sha256 is {sha}")
     # 2. Verify everything, writing nothing.
     check = _Verifier(p)
@@ -753,10 +639,10 @@ def _open(p: Path, fh: BinaryIO, expect: str | None, policies: list[SignerPolicy
         raise _fail(p, "the file changed while it was being read")
     check.finish()
     bid = check.manifest["id"]
-    if expect is not None and not _SHA_RE.match(expect) and expect != bid:
+    if expect is not None and not SHA_RE.match(expect) and expect != bid:
         raise _fail(p, f"expected {expect} (--expect-id), but it is {bid} (sha256 {sha})")
     stem = p.name[:-len(".tar.gz")] if p.name.endswith(".tar.gz") else None
-    if stem and _ID_RE.match(stem) and stem != bid:
+    if stem and ID_RE.match(stem) and stem != bid:
         raise _fail(p, f"named {stem} but its content is {bid}")
     # 3. Extract what was verified (checked again on the way) and load the patch set.
     tmp = Path(tempfile.mkdtemp(prefix="ddtree-ops-bundle-"))

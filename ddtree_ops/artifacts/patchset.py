@@ -20,7 +20,8 @@ manifest.yaml::
         base_sha256: 71d1...       # sha256 of the upstream file it expects (64 lowercase hex)
 
 `load_patchset` validates everything and raises PatchSetError naming the manifest and the
-entry. Python syntax is not checked here: preflight compiles `PatchSet.python_files()` with
+entry: the manifest's rules are a table of fields (patchset_manifest.py), the shipped files
+are checked here. Python syntax is not checked here: preflight compiles `PatchSet.python_files()` with
 the host's own Python, which is the one that matters.
 """
 
@@ -29,34 +30,22 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import posixpath
-import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from ..config.schema import NAME_RE
+from ..config.schema import NAME_RE, Invalid
 from ..config.yamlfile import YamlProblem, load_yaml
 from ..errors import PatchSetError, shown
+from .patchset_manifest import ManifestEntry, parse_manifest
 from .resources import patches_dir as default_patches_dir
 
 MANIFEST = "manifest.yaml"
 FILES_DIR = "files"
-DEFAULT_MODE = 0o644
-ACTIONS = ("add", "replace")
-
-_SHA_RE = re.compile(r"^[0-9a-f]{64}$")
-_MODE_RE = re.compile(r"^0?[0-7]{3}$")
-# One path component: what Python package paths need, nothing a shell or systemd treats specially.
-_COMPONENT_RE = re.compile(r"^[A-Za-z0-9_.+@=,-]+$")
-
-_TOP_KEYS = {"name", "version", "sglang", "description", "files"}
-_TOP_REQUIRED = {"name", "version", "sglang", "files"}
-_FILE_KEYS = {"path", "action", "base_sha256", "mode"}
 
 
 @dataclass(frozen=True)
@@ -139,29 +128,6 @@ def _sha256_file(p: Path) -> str:
     return h.hexdigest()
 
 
-def check_rel_path(path: Any) -> str | None:
-    """None if `path` is an acceptable site-packages-relative path, else the problem."""
-    if not isinstance(path, str) or not path:
-        return f"must be a non-empty string, got {shown(path)}"
-    if any(ord(c) < 32 or ord(c) == 127 for c in path):
-        return f"must not contain control characters: {shown(path)}"
-    if any(c.isspace() for c in path):
-        return f"must not contain whitespace: {shown(path)}"
-    if "\\" in path:
-        return f"must use '/' separators, not backslashes: {shown(path)}"
-    if path.startswith("/") or re.match(r"^[A-Za-z]:", path):
-        return f"must be relative to site-packages, not absolute: {shown(path)}"
-    parts = path.split("/")
-    if ".." in parts:
-        return f"must not contain '..' (it would escape site-packages): {shown(path)}"
-    if "." in parts or "" in parts or posixpath.normpath(path) != path:
-        return f"must be normalised (no '.', '//' or trailing '/'): {shown(path)}"
-    for part in parts:
-        if not _COMPONENT_RE.match(part):
-            return f"component {shown(part)} has characters outside [A-Za-z0-9_.+@=,-]: {shown(path)}"
-    return None
-
-
 def _resolve(ref: str, patches_dir: str | Path | None) -> tuple[Path, bool]:
     """(directory, loaded_by_name)."""
     if not isinstance(ref, str) or not ref:
@@ -187,145 +153,81 @@ def load_patchset(ref: str, patches_dir: str | Path | None = None) -> PatchSet:
     or by directory path. Raises PatchSetError naming the manifest and the entry/field."""
     root, by_name = _resolve(ref, patches_dir)
     root = root.resolve()
-    mpath = root / MANIFEST
-    mname = str(mpath)
+    mname = str(root / MANIFEST)
+    raw, doc = _read_manifest(root / MANIFEST)
+    try:
+        manifest = parse_manifest(doc)
+    except Invalid as e:
+        raise _error(mname, _where(e.field), e.problem) from None
+    if by_name and manifest.name != root.name:
+        raise _error(mname, "field 'name'", f"{shown(manifest.name)} differs from its directory name "
+                                            f"{shown(root.name)}")
+    files_dir = root / FILES_DIR
+    if files_dir.is_symlink() or not files_dir.is_dir():
+        raise _error(mname, None, f"{files_dir} must be a directory (not a symlink) holding the shipped files")
+    pfiles = tuple(_shipped(mname, files_dir, i, e) for i, e in enumerate(manifest.files))
+    _no_unlisted_files(mname, files_dir, {e.path for e in manifest.files})
+    return PatchSet(
+        name=manifest.name, version=manifest.version, sglang_spec=manifest.sglang_spec,
+        description=manifest.description, files=pfiles, root=root, manifest_sha256=hashlib.sha256(raw).hexdigest(),
+    )
 
-    def fail(where: str | None, problem: str) -> None:
-        raise PatchSetError(f"{mname}: {where}: {problem}" if where else f"{mname}: {problem}")
 
+def _error(mname: str, where: str | None, problem: str) -> PatchSetError:
+    return PatchSetError(f"{mname}: {where}: {problem}" if where else f"{mname}: {problem}")
+
+
+def _where(field: str | None) -> str | None:
+    """A top-level key as "field 'name'"; an entry's field as it is ("files[0] (x.py).mode")."""
+    if field is None:
+        return None
+    return field if field.startswith("files[") else f"field {shown(field)}"
+
+
+def _read_manifest(mpath: Path) -> tuple[bytes, Any]:
+    """(the manifest's bytes, its YAML); PatchSetError when it cannot be read or parsed."""
     try:
         raw = mpath.read_bytes()
     except FileNotFoundError:
-        raise PatchSetError(f"{mname}: manifest not found") from None
+        raise PatchSetError(f"{mpath}: manifest not found") from None
     except OSError as e:
-        raise PatchSetError(f"{mname}: cannot read: {e.strerror}") from None
+        raise PatchSetError(f"{mpath}: cannot read: {e.strerror}") from None
     try:
-        doc = load_yaml(raw)
+        return raw, load_yaml(raw)
     except YamlProblem as e:
-        raise PatchSetError(f"{mname}: {e}") from None
+        raise PatchSetError(f"{mpath}: {e}") from None
 
-    if not isinstance(doc, dict):
-        fail(None, "the manifest must be a mapping with name, version, sglang and files")
-    unknown = sorted(str(k) for k in set(doc) - _TOP_KEYS)
-    if unknown:
-        fail(f"field {shown(unknown[0])}", f"unknown key; allowed: {', '.join(sorted(_TOP_KEYS))}")
-    missing = sorted(_TOP_REQUIRED - set(doc))
-    if missing:
-        fail(f"field {shown(missing[0])}", "is required")
 
-    name = doc["name"]
-    if not isinstance(name, str) or not NAME_RE.match(name):
-        fail("field 'name'", f"must match [A-Za-z0-9][A-Za-z0-9_.-]* (max 64), got {shown(name)}")
-    if by_name and name != root.name:
-        fail("field 'name'", f"{shown(name)} differs from its directory name {shown(root.name)}")
+def _shipped(mname: str, files_dir: Path, index: int, entry: ManifestEntry) -> PatchFile:
+    """The entry's shipped file under files/: there, a regular file, reached through no symlink
+    (each component is lstat'ed, so a symlinked directory cannot smuggle anything in)."""
+    where = f"files[{index}] ({entry.path})"
+    src = files_dir / entry.path
+    cur = files_dir
+    for part in entry.path.split("/"):
+        cur = cur / part
+        try:
+            st = os.lstat(cur)
+        except FileNotFoundError:
+            raise _error(mname, where, f"the shipped file {src} does not exist") from None
+        except OSError as ex:
+            raise _error(mname, where, f"cannot stat {cur}: {ex.strerror}") from None
+        if stat.S_ISLNK(st.st_mode):
+            raise _error(mname, where, f"{cur} is a symlink; ship regular files only")
+    if not stat.S_ISREG(st.st_mode):
+        raise _error(mname, where, f"{src} is not a regular file")
+    return PatchFile(path=entry.path, action=entry.action, base_sha256=entry.base_sha256, mode=entry.mode,
+                     sha256=_sha256_file(src), source=src)
 
-    version = doc["version"]
-    if not isinstance(version, str):
-        fail("field 'version'", f"must be a quoted PEP 440 version string such as \"1.0.0\", got {shown(version)}")
-    try:
-        Version(version)
-    except InvalidVersion:
-        fail("field 'version'", f"{shown(version)} is not a PEP 440 version")
 
-    spec_s = doc["sglang"]
-    if not isinstance(spec_s, str) or not spec_s.strip():
-        fail("field 'sglang'", f"must be a quoted PEP 440 specifier such as \"==0.5.23\", got {shown(spec_s)}")
-    try:
-        spec = SpecifierSet(spec_s)
-    except InvalidSpecifier:
-        fail("field 'sglang'",
-             f"{shown(spec_s)} is not a PEP 440 specifier (write e.g. \"==0.5.23\" or \">=0.5.23,<0.6\")")
-
-    description = doc.get("description")
-    if description is None:
-        description = ""
-    if not isinstance(description, str):
-        fail("field 'description'", "must be a string")
-
-    entries = doc["files"]
-    if not isinstance(entries, list) or not entries:
-        fail("field 'files'", "must be a non-empty list of {path, action, ...} entries")
-
-    files_dir = root / FILES_DIR
-    if files_dir.is_symlink() or not files_dir.is_dir():
-        fail(None, f"{files_dir} must be a directory (not a symlink) holding the shipped files")
-
-    pfiles: list[PatchFile] = []
-    seen: set[str] = set()
-    for i, e in enumerate(entries):
-        where = f"files[{i}]"
-        if not isinstance(e, dict):
-            fail(where, "each entry must be a mapping with path and action")
-        bad = sorted(str(k) for k in set(e) - _FILE_KEYS)
-        if bad:
-            fail(f"{where}.{bad[0]}", f"unknown key; allowed: {', '.join(sorted(_FILE_KEYS))}")
-        for req in ("path", "action"):
-            if req not in e:
-                fail(f"{where}.{req}", "is required")
-        path = e["path"]
-        problem = check_rel_path(path)
-        if problem:
-            fail(f"{where}.path", problem)
-        where = f"files[{i}] ({path})"
-        if path in seen:
-            fail(f"{where}.path", "is listed twice")
-        seen.add(path)
-
-        action = e["action"]
-        if action not in ACTIONS:
-            fail(f"{where}.action", f"must be one of {', '.join(ACTIONS)}, got {shown(action)}")
-        base = e.get("base_sha256")
-        if action == "replace":
-            if base is None:
-                fail(f"{where}.base_sha256", "is required for action 'replace' (sha256 of the upstream file)")
-            if not isinstance(base, str) or not _SHA_RE.match(base):
-                fail(f"{where}.base_sha256", f"must be 64 lowercase hex digits, got {shown(base)}")
-        elif "base_sha256" in e:
-            fail(f"{where}.base_sha256", "is not allowed for action 'add' (there is no upstream file)")
-
-        mode_v = e.get("mode", None)
-        if mode_v is None:
-            mode = DEFAULT_MODE
-        else:
-            if not isinstance(mode_v, str) or not _MODE_RE.match(mode_v):
-                fail(f"{where}.mode", f"must be a quoted octal string such as \"0644\", got {shown(mode_v)}")
-            mode = int(mode_v, 8)
-            if not mode & 0o400:
-                fail(f"{where}.mode", f"{mode_v} leaves the file unreadable to its owner")
-            if mode & 0o002:
-                fail(f"{where}.mode", f"{mode_v} makes the file world-writable")
-
-        src = files_dir / path
-        # Walk the components with lstat so a symlinked directory cannot smuggle anything in.
-        cur = files_dir
-        for part in path.split("/"):
-            cur = cur / part
-            try:
-                st = os.lstat(cur)
-            except FileNotFoundError:
-                fail(f"{where}", f"the shipped file {src} does not exist")
-            except OSError as ex:
-                fail(f"{where}", f"cannot stat {cur}: {ex.strerror}")
-            if stat.S_ISLNK(st.st_mode):
-                fail(f"{where}", f"{cur} is a symlink; ship regular files only")
-        if not stat.S_ISREG(st.st_mode):
-            fail(f"{where}", f"{src} is not a regular file")
-        pfiles.append(PatchFile(path=path, action=action, base_sha256=base if action == "replace" else None,
-                                mode=mode, sha256=_sha256_file(src), source=src))
-
-    # Everything under files/ must be listed: an unlisted file is a forgotten entry or junk.
+def _no_unlisted_files(mname: str, files_dir: Path, listed: set[str]) -> None:
+    """Everything under files/ must be listed: an unlisted file is a forgotten entry or junk."""
     for dirpath, dirnames, filenames in os.walk(files_dir, followlinks=False):
-        for d in list(dirnames):
+        for d in dirnames:
             full = Path(dirpath) / d
             if full.is_symlink():
-                fail(None, f"{full} is a symlink; ship regular files only")
+                raise _error(mname, None, f"{full} is a symlink; ship regular files only")
         for fn in filenames:
-            full = Path(dirpath) / fn
-            rel = full.relative_to(files_dir).as_posix()
-            if rel not in seen:
-                fail(None, f"unlisted file {FILES_DIR}/{rel}: add it to files: or delete it")
-
-    return PatchSet(
-        name=name, version=version, sglang_spec=spec, description=description,
-        files=tuple(pfiles), root=root, manifest_sha256=hashlib.sha256(raw).hexdigest(),
-    )
+            rel = (Path(dirpath) / fn).relative_to(files_dir).as_posix()
+            if rel not in listed:
+                raise _error(mname, None, f"unlisted file {FILES_DIR}/{rel}: add it to files: or delete it")

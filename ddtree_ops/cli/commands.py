@@ -10,12 +10,13 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from importlib import metadata
 from typing import Optional
 
 import typer
 
-from ..errors import EXIT_BAD_INPUT, EXIT_ERROR, DdtreeOpsError, InputError
-from ..testing import SANDBOX_EXTRA_HINT, sandbox_extra_installed
+from ..errors import EXIT_ERROR, DdtreeOpsError, InputError
+from ..host.hooks import NO_HOOKS, Hooks
 from .common import emit_json as _emit_json
 from .common import guard as _guard
 from .common import log as _log
@@ -31,23 +32,23 @@ app = typer.Typer(help="Deploy the temperature-aware DDTree modules to SGLang ho
 
 
 # ---------------------------------------------------------------------------------------------
-# sandbox: the test rig's commands (ddtree_ops.testing.cli), offered when the `sandbox` extra is
-# installed; without it, `sandbox up|status|down` say how to get it and exit 2.
+# plugins: command groups mounted through the `ddtree_ops.cli_plugins` entry point. The test rig's
+# `sandbox` group arrives this way (pyproject.toml), so the product never imports the test rig.
 
-if sandbox_extra_installed():
-    from ..testing.cli import sandbox_app
-else:
-    sandbox_app = typer.Typer(help="Local test hosts: needs the `sandbox` extra.", no_args_is_help=True)
+PLUGIN_GROUP = "ddtree_ops.cli_plugins"
 
-    def _sandbox_extra_missing() -> None:
-        _log(f"error: {SANDBOX_EXTRA_HINT}")
-        raise typer.Exit(EXIT_BAD_INPUT)
 
-    for _name in ("up", "status", "down"):
-        sandbox_app.command(_name, help="Needs the `sandbox` extra.", add_help_option=False,
-                            context_settings={"ignore_unknown_options": True, "allow_extra_args": True}
-                            )(_sandbox_extra_missing)
-app.add_typer(sandbox_app, name="sandbox")
+def _mount_plugins() -> None:
+    for ep in sorted(metadata.entry_points(group=PLUGIN_GROUP), key=lambda ep: ep.name):
+        try:
+            group = ep.load()()
+        except Exception as e:  # a broken plugin costs its own commands, not the tool
+            _log(f"warning: command group {ep.name!r} ({ep.value}) could not be loaded: {type(e).__name__}: {e}")
+            continue
+        app.add_typer(group, name=ep.name)
+
+
+_mount_plugins()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -124,27 +125,22 @@ def _source(patchset: str | None, bundle: str | None, hosts, *, expect_id: str |
         raise InputError("give either --bundle or --patchset, not both")
     if expect_id is not None and not bundle:
         raise InputError("--expect-id checks a bundle: give --bundle too")
-    policies = list(dict.fromkeys(h.bundle_signers for h in hosts if h.bundle_signers is not None))
+    from ..artifacts.signature_policy import Source, decide
+
+    signatures = decide({h.name: h.bundle_signers for h in hosts}, Source.BUNDLE if bundle else Source.PATCHSET,
+                        patchset=patchset or DEFAULT_PATCHSET, unsigned_patchset_ok=unsigned_patchset,
+                        allow_unsigned=allow_unsigned)
+    if signatures.warning:
+        _log(f"warning: {signatures.warning}")
     if not bundle:
-        if not (unsigned_patchset or allow_unsigned) and any(pol.required for pol in policies):
-            strict = sorted(h.name for h in hosts if h.bundle_signers and h.bundle_signers.required)
-            raise InputError(f"{', '.join(strict[:5])}{' …' if len(strict) > 5 else ''}: the inventory requires "
-                             f"signed bundles (bundle_signers.required): deploy a signed --bundle, or pass "
-                             f"--allow-unsigned to deploy the unsigned patch set {patchset or DEFAULT_PATCHSET}")
-        if allow_unsigned and any(pol.required for pol in policies):
-            _log(f"warning: --allow-unsigned: deploying the unsigned patch set {patchset or DEFAULT_PATCHSET} "
-                 f"although the inventory requires signed bundles")
         yield _load_ps(patchset), None
         return
-    if allow_unsigned:
-        raise InputError("--allow-unsigned is for --patchset only: a bundle is always checked against the "
-                         "inventory's bundle_signers")
     from ..artifacts.bundle import open_bundle
     from ..artifacts.units import render_unit
 
-    with open_bundle(bundle, expect_id=expect_id, signers=policies) as b:
-        signed = f", {'; '.join(b.signed_by)}" if b.signed_by else (", not signed" if policies else "")
-        _log(f"bundle {b.id} verified ({len(b.manifest['files'])} files, sha256 {b.sha256[:16]}…{signed})")
+    with open_bundle(bundle, expect_id=expect_id, signers=signatures.signers) as b:
+        _log(f"bundle {b.id} verified ({len(b.manifest['files'])} files, sha256 {b.sha256[:16]}…"
+             f"{signatures.note(b.signed_by)})")
         for h in hosts:  # a template from someone else's bundle is refused here, not on a host
             try:
                 render_unit(h, b.templates_dir)
@@ -285,6 +281,7 @@ ROLLOUT_HELP = ("Targets (hosts; a multi-node server counts as one) run as: --ca
 @app.command(help="Ship the patch set: preflight, backup, atomic install, unit, restart, wait, health gate, "
                   "commit. Any failure after the first change rolls the host back by itself. " + ROLLOUT_HELP)
 def deploy(
+    ctx: typer.Context,
     inventory: str = INVENTORY_OPT,
     limit: Optional[str] = LIMIT_OPT,
     patchset: Optional[str] = PATCHSET_OPT,
@@ -348,7 +345,7 @@ def deploy(
             opts.marginal, opts.ask = "ask", _asker(progress)
         res = rolling_deploy(targets, ps, opts, canary=canary, batch=batch, max_fail=max_fail, forks=forks,
                              keep_updated=keep_updated, accept_new_host_keys=accept_new_host_keys,
-                             progress=progress, notes=notes)
+                             progress=progress, notes=notes, hooks=_hooks(ctx))
         return _print_rollout(res, as_json, {"patchset": ps.label, "bundle": b.id if b else None,
                                              "bundle_sha256": b.sha256 if b else None}, report)
     _guard(body, as_json=as_json)
@@ -356,6 +353,7 @@ def deploy(
 
 @app.command()
 def rollback(
+    ctx: typer.Context,
     inventory: str = INVENTORY_OPT,
     limit: Optional[str] = LIMIT_OPT,
     to: Optional[str] = typer.Option(None, "--to", help="A release id, or 'original' for the upstream files."),
@@ -381,7 +379,7 @@ def rollback(
         _confirm(yes, f"Roll back {', '.join(t.name for t in targets)} to {to or 'the previous release'}?")
         opts = DeployOptions(break_tokens=tuple(break_lock), command=" ".join(["ddtree-ops", *sys.argv[1:]])[:500])
         res = rolling_rollback(targets, to, opts, batch=batch, forks=forks, accept_new_host_keys=accept_new_host_keys,
-                               progress=make_progress(), notes=notes)
+                               progress=make_progress(), notes=notes, hooks=_hooks(ctx))
         return _print_rollout(res, as_json, report=report)
     _guard(body, as_json=as_json)
 
@@ -466,8 +464,14 @@ def history(
     _guard(body, as_json=as_json)
 
 
-def main() -> None:
-    app()
+def _hooks(ctx: typer.Context) -> Hooks:
+    """The test hooks `main` was given (none for an operator's run)."""
+    return ctx.obj if isinstance(ctx.obj, Hooks) else NO_HOOKS
+
+
+def main(hooks: Hooks = NO_HOOKS) -> None:
+    """The `ddtree-ops` command. `hooks`: only the test rig passes any (ddtree_ops.testing.hooked_cli)."""
+    app(obj=hooks)
 
 
 if __name__ == "__main__":

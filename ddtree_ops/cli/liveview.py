@@ -12,7 +12,7 @@ import threading
 import time
 
 from ..fleet.rollout import Progress
-from ..runbook.results import PHASE_EVENT
+from ..runbook.events import Event, PhaseStarted
 
 _STYLE = {"deployed": "green", "unchanged": "green", "rolled_back": "yellow", "reverted": "yellow",
           "running": "cyan", "queued": "dim", "skipped": "dim"}
@@ -29,8 +29,8 @@ class PlainProgress(Progress):
             sys.stderr.write(line + "\n")
             sys.stderr.flush()
 
-    def event(self, host: str, msg: str) -> None:
-        self._w(f"[{host}] {msg}")
+    def event(self, event: Event) -> None:
+        self._w(f"[{event.host}] {event.text}")
 
     def note(self, msg: str) -> None:
         self._w(f"== {msg}")
@@ -87,12 +87,13 @@ class LiveProgress(Progress):
                 r["t1"] = time.monotonic()
             r["state"] = state
 
-    def event(self, host: str, msg: str) -> None:
+    def event(self, event: Event) -> None:
         with self._lock:
-            r = self.rows.setdefault(host, {"state": "running", "msg": "", "t0": time.monotonic(), "t1": None})
-            if msg.startswith(PHASE_EVENT):  # the phase column, timed from here
-                r["phase"], r["phase_t0"] = msg[len(PHASE_EVENT):], time.monotonic()
+            r = self.rows.setdefault(event.host, {"state": "running", "msg": "", "t0": time.monotonic(), "t1": None})
+            if isinstance(event, PhaseStarted):  # the phase column, timed from here
+                r["phase"], r["phase_t0"] = event.phase, time.monotonic()
                 return
+            msg = event.text
             r["msg"] = msg.splitlines()[0] if msg else ""
 
     def note(self, msg: str) -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config.redaction import scrub
+from ..runbook.events import StepDone
 
 # -- text --------------------------------------------------------------------------------------
 
@@ -154,16 +155,11 @@ def host_phases(host: dict) -> list[dict[str, Any]]:
     without a usable time are dropped (the document may be partial); order is as recorded."""
     phases: list[dict[str, Any]] = []
     prev: float | None = None
-    for st in host.get("steps") or []:
-        if not isinstance(st, dict):
-            continue
-        t = _num(st.get("t"))
-        if t is None:
-            continue
-        start = t if prev is None else min(prev, t)  # a clock that stepped back: no negative bar
-        phases.append({"step": _clean(st.get("step")) or "?", "start": start, "end": t,
-                       "detail": st.get("detail") or ""})
-        prev = t
+    done = (StepDone.from_record(_clean(host.get("host")), rec) for rec in host.get("steps") or [])
+    for st in (s for s in done if s is not None):
+        start = st.t if prev is None else min(prev, st.t)  # a clock that stepped back: no negative bar
+        phases.append({"step": _clean(st.step) or "?", "start": start, "end": st.t, "detail": st.detail})
+        prev = st.t
     return phases
 
 

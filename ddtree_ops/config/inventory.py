@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ..errors import InputError, InventoryError, shown
-from ..gates.perfgate import PerfGateSettings, parse_perf_gate
-from ..gates.router import RouterSettings, router_field
+from .perfgate_settings import PerfGateSettings, parse_perf_gate
+from .router_settings import RouterSettings, router_field
 from .schema import (
     NAME_RE,
     OMIT,
@@ -359,9 +359,9 @@ HOST_FIELDS: tuple[Field, ...] = (
     Field("api_key_env", _api_key_env(), None),
     Field("health", table(HEALTH_FIELDS, HealthSettings), {}),
     Field("bundle_signers", table(BUNDLE_SIGNER_FIELDS, BundleSigners), None),
-    # The request router (smg) in front of the host: router.py; its worker defaults to base_url.
+    # The request router (smg) in front of the host: router_settings.py; its worker defaults to base_url.
     Field("router", router_field("base_url"), None),
-    Field("perf_gate", None),  # perfgate.parse_perf_gate, after the table (it reads a file beside the inventory)
+    Field("perf_gate", None),  # parse_perf_gate, after the table (it reads a file beside the inventory)
     # A multi-node server: validated across its members by _resolve_servers.
     Field("multinode", None),
     Field("node_rank", None),

@@ -62,10 +62,11 @@ class Field:
 
     `default` is used when the key is absent (a callable default, also when it is null, is
     computed from the fields validated before it); OMIT leaves an absent key out of the result;
-    a null value is None when the default is None, else it goes to `check` (which may take null
-    as "none", like an empty list). `required` (what is needed, e.g. "an absolute path") makes a
-    null value an error. `attr` renames the result. A field whose `check` is None is a known key
-    validated elsewhere.
+    ABSENT hands an absent key to `check` as the ABSENT marker (a rule such as "required for one
+    action, refused for the other" reads an earlier field to decide); a null value is None when
+    the default is None, else it goes to `check` (which may take null as "none", like an empty
+    list). `required` (what is needed, e.g. "an absolute path") makes a null value an error.
+    `attr` renames the result. A field whose `check` is None is a known key validated elsewhere.
     """
 
     name: str
@@ -76,6 +77,7 @@ class Field:
 
 
 OMIT = object()
+ABSENT = object()  # as a default, it is the value an absent key gives its check
 
 
 def yaml_hint(value: Any) -> str:
@@ -116,11 +118,18 @@ def apply(table: Sequence[Field], raw: Mapping[str, Any]) -> dict[str, Any]:
                 raise Invalid(f"is required: {f.required}")
             result = None if value is None and f.default is None else f.check(value, done)
         except Invalid as e:
-            e.field = f.name if e.field is None else f"{f.name}.{e.field}"
+            e.field = joined(f.name, e.field)
             raise
         done[f.name] = result
         out[f.attr or f.name] = result
     return out
+
+
+def joined(outer: str, inner: str | None) -> str:
+    """The name of field `inner` inside `outer`: 'health.load_deadline_s', 'files[0].path'."""
+    if inner is None:
+        return outer
+    return f"{outer}{inner}" if inner.startswith("[") else f"{outer}.{inner}"
 
 
 def known_keys(table: Sequence[Field]) -> set[str]:
@@ -404,6 +413,17 @@ def mapping(fields: Sequence[Field], value: Any) -> dict[str, Any]:
     if unknown:
         raise Invalid(f"unknown key; allowed: {allowed}", unknown[0])
     return apply(fields, raw)
+
+
+def exact_mapping(fields: Sequence[Field], value: Any) -> dict[str, Any]:
+    """A mapping with exactly the keys of `fields`, nothing missing and nothing more (a file the
+    tool writes itself, such as a bundle's manifest), validated by them (`apply`)."""
+    keys = ", ".join(sorted(known_keys(fields)))
+    if not isinstance(value, dict):
+        raise Invalid(f"must be a mapping of exactly the keys {keys}, got {shown(value)}")
+    if set(value) != known_keys(fields):
+        raise Invalid(f"must have exactly the keys {keys}, has {shown(sorted(str(k) for k in value))}")
+    return apply(fields, value)
 
 
 def table(fields: Sequence[Field], build: Callable[..., Any]) -> Check:

@@ -11,21 +11,24 @@ from typing import Callable
 from ..artifacts.patchset import PatchSet
 from ..config.inventory import Host
 from ..errors import DdtreeOpsError
-from ..gates.health import http_client
 from ..gates.workload import Measurement, measure
+from ..host.hooks import NO_HOOKS, Hooks
+from ..host.http import http_client
 from ..host.session import HostSession, open_session
 from ..runbook.deploy import deploy_host
-from ..runbook.phases import DeployOptions
-from ..runbook.results import HostResult, Reporter, failed_result
+from ..runbook.events import EventSink, Note
+from ..runbook.options import DeployOptions
+from ..runbook.results import HostResult, failed_result
 from ..runbook.rollback import rollback_host
 from .multinode import deploy_server, rollback_server
 from .rollout import Progress, Rollout, RolloutResult, Target, TargetAction, plan_batches
+from .routing import Routers, router_for
 
-HostOp = Callable[[HostSession, Reporter], HostResult]
-ServerOp = Callable[[Target, Callable[[Host], HostSession], Reporter], list[HostResult]]
+HostOp = Callable[[HostSession, EventSink], HostResult]
+ServerOp = Callable[[Target, Callable[[Host], HostSession], EventSink], list[HostResult]]
 
 
-def run_on_host(host: Host, op: HostOp, *, connect: Callable[[Host], HostSession], report: Reporter) -> HostResult:
+def run_on_host(host: Host, op: HostOp, *, connect: Callable[[Host], HostSession], report: EventSink) -> HostResult:
     t0 = time.monotonic()
     try:
         session = connect(host)
@@ -35,31 +38,39 @@ def run_on_host(host: Host, op: HostOp, *, connect: Callable[[Host], HostSession
             session.close()
     except DdtreeOpsError as e:
         result = failed_result(host.name, e, time.monotonic() - t0)
-        report(host.name, f"{result.outcome}: {e}")
+        report(Note(host.name, f"{result.outcome}: {e}"))
         return result
 
 
 def per_target(host_op: HostOp, server_op: ServerOp, connect: Callable[[Host], HostSession]) -> TargetAction:
     """A single host runs `host_op` on its own session; a multi-node server runs `server_op` whole."""
-    def act(t: Target, report: Reporter) -> list[HostResult]:
+    def act(t: Target, report: EventSink) -> list[HostResult]:
         if t.multinode:
             return server_op(t, connect, report)
         return [run_on_host(t.hosts[0], host_op, connect=connect, report=report)]
     return act
 
 
-def ssh_connector(accept_new_host_keys: bool = False) -> Callable[[Host], HostSession]:
-    return lambda host: open_session(host, accept_new_host_keys=accept_new_host_keys)
+def ssh_connector(accept_new_host_keys: bool = False, hooks: Hooks = NO_HOOKS) -> Callable[[Host], HostSession]:
+    return lambda host: open_session(host, accept_new_host_keys=accept_new_host_keys, hooks=hooks)
 
 
-def deploy_action(ps: PatchSet, opts: DeployOptions, connect: Callable[[Host], HostSession]) -> TargetAction:
-    return per_target(lambda s, report: deploy_host(s, ps, opts, report),
-                      lambda t, c, report: deploy_server(t, ps, opts, connect=c, report=report), connect)
+def deploy_action(ps: PatchSet, opts: DeployOptions, connect: Callable[[Host], HostSession],
+                  routers: Routers = router_for) -> TargetAction:
+    def on_host(s: HostSession, report: EventSink) -> HostResult:
+        with routers(s.host) as router:
+            return deploy_host(s, ps, opts, report, router=router)
+    return per_target(on_host, lambda t, c, report: deploy_server(t, ps, opts, connect=c, report=report,
+                                                                  routers=routers), connect)
 
 
-def rollback_action(to: str | None, opts: DeployOptions, connect: Callable[[Host], HostSession]) -> TargetAction:
-    return per_target(lambda s, report: rollback_host(s, to, opts, report),
-                      lambda t, c, report: rollback_server(t, to, opts, connect=c, report=report), connect)
+def rollback_action(to: str | None, opts: DeployOptions, connect: Callable[[Host], HostSession],
+                    routers: Routers = router_for) -> TargetAction:
+    def on_host(s: HostSession, report: EventSink) -> HostResult:
+        with routers(s.host) as router:
+            return rollback_host(s, to, opts, report, router=router)
+    return per_target(on_host, lambda t, c, report: rollback_server(t, to, opts, connect=c, report=report,
+                                                                    routers=routers), connect)
 
 
 def peer_measurer(targets: list[Target], batches: list[list[int]]) -> Callable[[str], Measurement | None]:
@@ -86,22 +97,24 @@ def peer_measurer(targets: list[Target], batches: list[list[int]]) -> Callable[[
 def rolling_deploy(targets: list[Target], ps: PatchSet, opts: DeployOptions, *, canary: int = 1,
                    batch: str | None = None, max_fail: str | float = 0, forks: int = 10, keep_updated: bool = False,
                    accept_new_host_keys: bool = False, connect: Callable[[Host], HostSession] | None = None,
-                   progress: Progress | None = None, notes: list[str] | None = None) -> RolloutResult:
-    connect = connect or ssh_connector(accept_new_host_keys)
+                   progress: Progress | None = None, notes: list[str] | None = None,
+                   hooks: Hooks = NO_HOOKS, routers: Routers = router_for) -> RolloutResult:
+    connect = connect or ssh_connector(accept_new_host_keys, hooks)
     if opts.peer_measure is None:
         opts = dataclasses.replace(opts, peer_measure=peer_measurer(targets, plan_batches(len(targets), canary=canary,
                                                                                           batch=batch)))
     revert_opts = DeployOptions(command=opts.command + " (abort: rollback)")
-    return Rollout(targets, deploy_action(ps, opts, connect), kind="deploy", canary=canary, batch=batch,
+    return Rollout(targets, deploy_action(ps, opts, connect, routers), kind="deploy", canary=canary, batch=batch,
                    max_fail=max_fail, forks=forks, keep_updated=keep_updated,
-                   revert=rollback_action(None, revert_opts, connect), progress=progress, notes=notes).run()
+                   revert=rollback_action(None, revert_opts, connect, routers), progress=progress, notes=notes).run()
 
 
 def rolling_rollback(targets: list[Target], to: str | None, opts: DeployOptions, *, batch: str | None = None,
                      forks: int = 10, accept_new_host_keys: bool = False,
                      connect: Callable[[Host], HostSession] | None = None, progress: Progress | None = None,
-                     notes: list[str] | None = None) -> RolloutResult:
+                     notes: list[str] | None = None, hooks: Hooks = NO_HOOKS,
+                     routers: Routers = router_for) -> RolloutResult:
     """Rollback over the selection: no canary, no abort (each host is rolled back on its own)."""
-    connect = connect or ssh_connector(accept_new_host_keys)
-    return Rollout(targets, rollback_action(to, opts, connect), kind="rollback", canary=0, batch=batch,
+    connect = connect or ssh_connector(accept_new_host_keys, hooks)
+    return Rollout(targets, rollback_action(to, opts, connect, routers), kind="rollback", canary=0, batch=batch,
                    max_fail=100, forks=forks, progress=progress, notes=notes).run()

@@ -38,7 +38,8 @@ from typing import Any, Callable
 
 from ..config.inventory import Host, Inventory
 from ..errors import EXIT_ERROR, EXIT_NEEDS_PERSON, EXIT_OK, EXIT_ROLLED_BACK, InputError
-from ..runbook.results import SUCCESS, HostResult, Outcome, Reporter, failed_result, overall_exit_code
+from ..runbook.events import Event, EventSink
+from ..runbook.results import SUCCESS, HostResult, Outcome, failed_result, overall_exit_code
 
 # ---------------------------------------------------------------------------------------------
 # targets, batches and the failure budget (pure)
@@ -148,7 +149,7 @@ class Progress:
 
     def state(self, host: str, state: str) -> None: ...
 
-    def event(self, host: str, msg: str) -> None: ...
+    def event(self, event: Event) -> None: ...  # what a host's run did (runbook/events.py)
 
     def note(self, msg: str) -> None: ...
 
@@ -185,7 +186,7 @@ class RolloutResult:
                 "hosts": [r.to_dict() for r in self.results]}
 
 
-TargetAction = Callable[[Target, Reporter], list[HostResult]]
+TargetAction = Callable[[Target, EventSink], list[HostResult]]
 
 
 class _Interrupt(KeyboardInterrupt):
@@ -210,17 +211,17 @@ class Rollout:
         self._interrupted = threading.Event()
 
     # -- helpers ---------------------------------------------------------------------------------
-    def _reporter(self, interruptible: bool) -> Reporter:
+    def _reporter(self, interruptible: bool) -> EventSink:
         raised: set[str] = set()
         lock = threading.Lock()
 
-        def report(host: str, msg: str) -> None:
-            self.progress.event(host, msg)
+        def report(event: Event) -> None:
+            self.progress.event(event)
             if interruptible and self._interrupted.is_set():
                 with lock:
-                    if host in raised:
+                    if event.host in raised:
                         return
-                    raised.add(host)
+                    raised.add(event.host)
                 raise _Interrupt()  # the runbook rolls this host back (or stops before any change)
         return report
 

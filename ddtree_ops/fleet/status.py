@@ -17,8 +17,12 @@ import httpx
 from ..artifacts.units import parse_exec_flags
 from ..config.inventory import Host
 from ..errors import DdtreeOpsError
-from ..gates.health import health_status, http_client
+from ..gates.health import health_status
+from ..host.http import http_client
+from ..host.release_store import ReleaseStore
 from ..host.session import open_session
+
+UNIT_DIR = "/etc/systemd/system"  # where a conflicting unit is read from (the tool's own: host.unit_path)
 
 
 def _http(host: Host, row: dict[str, Any]) -> None:
@@ -38,6 +42,15 @@ def _http(host: Host, row: dict[str, Any]) -> None:
                     row["avg_accept_length"] = None
     except Exception as e:  # pragma: no cover - a broken URL must not crash the table
         row["health"] = type(e).__name__
+
+
+def _active_unit_text(store: ReleaseStore, host: Host, active: str | None, facts: dict[str, Any]) -> str | None:
+    """The unit file whose ExecStart the host runs: the tool's unit (read with the facts), or a
+    conflicting unit that serves instead, read through the agent as well. No unit active: the
+    tool's, as it would start."""
+    if active and not (active == host.unit and facts.get("unit_text")):
+        return store.unit_text(f"{UNIT_DIR}/{active}")
+    return facts.get("unit_text")
 
 
 def host_status(host: Host, *, accept_new_host_keys: bool = False) -> dict[str, Any]:
@@ -80,13 +93,7 @@ def host_status(host: Host, *, accept_new_host_keys: bool = False) -> dict[str, 
             for u, st in session.services.states((host.unit, *host.conflicts)).items():
                 row["units"][u] = st.active
             row["active_unit"] = next((u for u, s in row["units"].items() if s == "active"), None)
-            if row["active_unit"] == host.unit and facts.get("unit_text"):
-                flags = parse_exec_flags(facts["unit_text"])
-            elif row["active_unit"]:
-                r = session.conn.run(["cat", f"/etc/systemd/system/{row['active_unit']}"], check=False)
-                flags = parse_exec_flags(r.stdout) if r.ok else {}
-            else:
-                flags = parse_exec_flags(facts.get("unit_text") or "")
+            flags = parse_exec_flags(_active_unit_text(store, host, row["active_unit"], facts) or "")
             row["budget"], row["topk_cap"], row["algorithm"] = (flags.get("budget"), flags.get("topk_cap"),
                                                                  flags.get("algorithm"))
         except DdtreeOpsError as e:

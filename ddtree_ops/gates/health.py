@@ -10,7 +10,6 @@ poll and the wait stops at once when the process is gone or replaced (a `Restart
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -19,9 +18,8 @@ import httpx
 
 from ..config.inventory import HealthSettings, Host
 from ..config.redaction import scrub_lines
+from ..config.secrets import known_secrets
 from ..host.services import UnitProbe
-from ..host.tls import tls_context
-from .router import router_secrets
 from .startup import Phase, PhaseTracker, Transition
 
 
@@ -58,30 +56,6 @@ def latest_milestone(log: list[str]) -> str | None:
         if any(m in line for m in _MILESTONES):
             return line.strip()[-160:]
     return None
-
-
-def api_key(host: Host) -> str | None:
-    """The server's API key as the controller knows it: the operator's environment variable named
-    by `api_key_env` (the server itself reads it from secrets_config on the host)."""
-    return (os.environ.get(host.api_key_env) or None) if host.api_key_env else None
-
-
-def known_secrets(host: Host) -> tuple[str, ...]:
-    """The secret values the controller holds for `host`, for `redaction.scrub`: the server's
-    API key and the router's control-plane key."""
-    key = api_key(host)
-    return ((key,) if key else ()) + router_secrets(host.router)
-
-
-def http_client(host: Host, transport: httpx.BaseTransport | None = None) -> httpx.Client:
-    """A client for the host's server; the API key (if any) comes from the operator's environment.
-    `transport` is the seam a fake host plugs an httpx.MockTransport into."""
-    headers = {}
-    key = api_key(host)
-    if key:
-        headers["Authorization"] = "Bearer " + key
-    return httpx.Client(base_url=host.base_url, timeout=host.health.request_timeout_s, headers=headers,
-                        trust_env=False, transport=transport, verify=tls_context())
 
 
 def health_status(client: httpx.Client, timeout: float | None = None) -> int | str:

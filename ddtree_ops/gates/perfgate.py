@@ -6,10 +6,10 @@ fewer draft tokens. Like Argo Rollouts' analysis with Kayenta, the gate runs the
 against the server before the change (baseline) and after it (canary), and in a rollout also
 against peers not yet updated, and compares metric by metric: pass, marginal or fail.
 
-The workload and its measurement are in workload.py; here, pure functions of measurements:
+The workload and its measurement are in workload.py, the settings (`Thresholds`, `perf_gate:`)
+in config/perfgate_settings.py; here, pure functions of measurements:
 
-  Thresholds / compare(...)    the verdict per metric and overall, with reasons
-  parse_perf_gate(doc, where)  the inventory's `perf_gate` mapping, validated
+  compare(...)                 the verdict per metric and overall, with reasons
 
 Thresholds (defaults; `compare` documents the rules):
 
@@ -26,48 +26,11 @@ Thresholds (defaults; `compare` documents the rules):
 from __future__ import annotations
 
 import enum
-import os
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
 
-from ..config.schema import Field, Invalid, boolean, int_range, mapping, number_range
-from ..errors import InputError, shown
-from .workload import (
-    CONCURRENCY_MAX,
-    DEFAULT_CONCURRENCY,
-    DEFAULT_DURATION_S,
-    DEFAULT_MAX_NEW_TOKENS,
-    DEFAULT_MIN_REQUESTS,
-    DEFAULT_REQUEST_TIMEOUT_S,
-    DEFAULT_TEMPERATURE,
-    DEFAULT_TOP_P,
-    Measurement,
-    Workload,
-    load_prompts,
-)
-
-# Thresholds. Drops and rises are relative to the reference (baseline or peers); floors are
-# absolute and a change at or under its floor never counts, so noise on small numbers (TTFT
-# 2 ms → 3 ms is +50 %) cannot fail a release.
-MARGINAL_DROP = 0.03  # output tok/s
-FAIL_DROP = 0.10
-TTFT_P50_MARGINAL = 0.10
-TTFT_P50_FAIL = 0.25
-TTFT_P99_MARGINAL = 0.20  # tails are noisier: p99 of ~100 requests is close to their maximum
-TTFT_P99_FAIL = 0.50
-ITL_P50_MARGINAL = 0.10
-ITL_P50_FAIL = 0.25
-ITL_P99_MARGINAL = 0.20
-ITL_P99_FAIL = 0.50
-ERROR_RATE_MARGINAL = 0.0  # absolute: any error the reference did not have is marginal
-ERROR_RATE_FAIL = 0.01  # absolute: above 1 % fails whatever the reference had
-ACCEPT_MARGINAL_DROP = 0.05  # mean spec_accept_length
-ACCEPT_FAIL_DROP = 0.15
-TPS_FLOOR = 1.0  # tok/s
-TTFT_FLOOR_S = 0.020  # TTFT includes queueing and prefill: tens of ms of jitter are normal
-ITL_FLOOR_S = 0.002
-ACCEPT_FLOOR = 0.1  # tokens per verify step
-
+from ..config.perfgate_settings import Thresholds
+from .workload import Measurement
 
 # --------------------------------------------------------------------------- verdicts
 
@@ -91,39 +54,6 @@ _RANK = {Verdict.PASS: 0, Verdict.MARGINAL: 1, Verdict.FAIL: 2}
 
 def worst(verdicts: Iterable[Verdict]) -> Verdict:
     return max(verdicts, key=lambda v: v.rank, default=Verdict.PASS)
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    """When the canary is marginal or failing, metric by metric (the module docstring's table).
-
-    Relative limits are fractions of the reference: output tok/s fails when
-    canary < reference × (1 − fail_drop); a latency fails when canary > reference × (1 + *_fail).
-    A change at or under the metric's absolute floor never counts. The error rate is absolute:
-    fail above `error_rate_fail`; marginal above `error_rate_marginal` when it is also above the
-    reference's rate."""
-
-    marginal_drop: float = MARGINAL_DROP
-    fail_drop: float = FAIL_DROP
-    ttft_p50_marginal: float = TTFT_P50_MARGINAL
-    ttft_p50_fail: float = TTFT_P50_FAIL
-    ttft_p99_marginal: float = TTFT_P99_MARGINAL
-    ttft_p99_fail: float = TTFT_P99_FAIL
-    itl_p50_marginal: float = ITL_P50_MARGINAL
-    itl_p50_fail: float = ITL_P50_FAIL
-    itl_p99_marginal: float = ITL_P99_MARGINAL
-    itl_p99_fail: float = ITL_P99_FAIL
-    error_rate_marginal: float = ERROR_RATE_MARGINAL
-    error_rate_fail: float = ERROR_RATE_FAIL
-    accept_marginal_drop: float = ACCEPT_MARGINAL_DROP
-    accept_fail_drop: float = ACCEPT_FAIL_DROP
-    tps_floor: float = TPS_FLOOR
-    ttft_floor_s: float = TTFT_FLOOR_S
-    itl_floor_s: float = ITL_FLOOR_S
-    accept_floor: float = ACCEPT_FLOOR
-
-    def as_dict(self) -> dict[str, float]:
-        return asdict(self)
 
 
 def _minus(text: str) -> str:
@@ -357,114 +287,3 @@ def format_rows(rows: Sequence[GateRow]) -> str:
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
     return "\n".join("  ".join([c.ljust(w) for c, w in zip(row[:-1], widths, strict=True)] + [row[-1]]).rstrip()
                      for row in table)
-
-
-# --------------------------------------------------------------------------- inventory
-
-@dataclass(frozen=True)
-class PerfGateSettings:
-    """The inventory's `perf_gate`. Absent or null: disabled. A mapping: enabled unless it says
-    `enabled: false` (writing the section is asking for the gate)."""
-
-    enabled: bool = False
-    workload: Workload = field(default_factory=Workload)
-    thresholds: Thresholds = field(default_factory=Thresholds)
-    compare_peers: bool = True
-
-
-_ratio = number_range(0, 1)  # a share: a drop, an error rate
-_increase = number_range(0, 10)  # a latency rise, relative
-
-
-def _at_most(inner: Callable[[Any, Mapping[str, Any]], float], bound: str) -> Callable[..., float]:
-    """`inner`, and ≤ the earlier field `bound` (a marginal limit never beyond its fail limit)."""
-
-    def check(value: Any, done: Mapping[str, Any]) -> float:
-        v = inner(value, done)
-        if v > done[bound]:
-            raise Invalid(f"must be ≤ {bound} ({done[bound]:g}), got {shown(value)}")
-        return v
-    return check
-
-
-def _top_p(value: Any, done: Mapping[str, Any]) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-        raise Invalid(f"must be a number > 0 and ≤ 1, got {shown(value)}")
-    return float(value)
-
-
-def _prompts_file(value: Any, done: Mapping[str, Any]) -> str:
-    if not isinstance(value, str) or not value or "\0" in value:
-        raise Invalid(f"must be a path to a file of prompts, got {shown(value)}")
-    return value
-
-
-# Fail limits come before their marginal limits: the marginal check reads them.
-THRESHOLD_FIELDS: tuple[Field, ...] = (
-    Field("fail_drop", _ratio, FAIL_DROP),
-    Field("marginal_drop", _at_most(_ratio, "fail_drop"), MARGINAL_DROP),
-    Field("ttft_p50_fail", _increase, TTFT_P50_FAIL),
-    Field("ttft_p50_marginal", _at_most(_increase, "ttft_p50_fail"), TTFT_P50_MARGINAL),
-    Field("ttft_p99_fail", _increase, TTFT_P99_FAIL),
-    Field("ttft_p99_marginal", _at_most(_increase, "ttft_p99_fail"), TTFT_P99_MARGINAL),
-    Field("itl_p50_fail", _increase, ITL_P50_FAIL),
-    Field("itl_p50_marginal", _at_most(_increase, "itl_p50_fail"), ITL_P50_MARGINAL),
-    Field("itl_p99_fail", _increase, ITL_P99_FAIL),
-    Field("itl_p99_marginal", _at_most(_increase, "itl_p99_fail"), ITL_P99_MARGINAL),
-    Field("error_rate_fail", _ratio, ERROR_RATE_FAIL),
-    Field("error_rate_marginal", _at_most(_ratio, "error_rate_fail"), ERROR_RATE_MARGINAL),
-    Field("accept_fail_drop", _ratio, ACCEPT_FAIL_DROP),
-    Field("accept_marginal_drop", _at_most(_ratio, "accept_fail_drop"), ACCEPT_MARGINAL_DROP),
-    Field("tps_floor", number_range(0, 1e6), TPS_FLOOR),
-    Field("ttft_floor_s", number_range(0, 60), TTFT_FLOOR_S),
-    Field("itl_floor_s", number_range(0, 10), ITL_FLOOR_S),
-    Field("accept_floor", number_range(0, 100), ACCEPT_FLOOR),
-)
-
-PERF_GATE_FIELDS: tuple[Field, ...] = (
-    Field("enabled", boolean(), True),
-    Field("prompts_file", _prompts_file, None),
-    Field("concurrency", int_range(1, CONCURRENCY_MAX), DEFAULT_CONCURRENCY),
-    Field("max_new_tokens", int_range(1, 4096), DEFAULT_MAX_NEW_TOKENS),
-    Field("temperature", number_range(0, 2), DEFAULT_TEMPERATURE),
-    Field("top_p", _top_p, DEFAULT_TOP_P),
-    Field("duration_s", number_range(1, 3600), DEFAULT_DURATION_S),
-    Field("min_requests", int_range(1, 100_000), DEFAULT_MIN_REQUESTS),
-    Field("request_timeout_s", number_range(1, 3600), DEFAULT_REQUEST_TIMEOUT_S),
-    Field("compare_peers", boolean(), True),
-    Field("thresholds", None),  # a nested table: validated by parse_perf_gate, naming its fields
-)
-
-
-def _mapping(doc: Any, where: str, fields_: Sequence[Field]) -> dict[str, Any]:
-    """`doc` (null: empty) validated by `fields_`; InputError naming `where` and the field."""
-    try:
-        return mapping(fields_, doc)
-    except Invalid as e:
-        raise InputError(f"{where}{'.' + e.field if e.field else ''}: {e.problem}") from None
-
-
-def parse_perf_gate(doc: Any, where: str = "perf_gate", *, base_dir: str | None = None) -> PerfGateSettings:
-    """The inventory's `perf_gate` mapping as settings; null or absent: the gate disabled.
-
-    Keys: enabled, prompts_file, concurrency, max_new_tokens, temperature, top_p, duration_s,
-    min_requests, request_timeout_s, compare_peers, thresholds (the fields of `Thresholds`).
-    A relative `prompts_file` is read from `base_dir` (the inventory's folder), on the
-    controller, now: a bad file is refused before any host changes. Raises InputError as
-    "<where>.<field>: <problem>", e.g. "perf_gate.thresholds.fail_drop: must be a number 0..1, got 2"."""
-    if doc is None:
-        return PerfGateSettings()
-    values = _mapping(doc, where, PERF_GATE_FIELDS)
-    thresholds = Thresholds(**_mapping(doc.get("thresholds"), f"{where}.thresholds", THRESHOLD_FIELDS))
-    workload = Workload(**{k: values[k] for k in ("concurrency", "max_new_tokens", "temperature", "top_p",
-                                                   "duration_s", "min_requests", "request_timeout_s")})
-    path = values["prompts_file"]
-    if path is not None:
-        full = os.path.join(base_dir, os.path.expanduser(path)) if base_dir else os.path.expanduser(path)
-        try:
-            prompts = load_prompts(full)
-        except InputError as e:
-            raise InputError(f"{where}.prompts_file: {e}") from None
-        workload = replace(workload, prompts=prompts, prompts_file=full)
-    return PerfGateSettings(enabled=values["enabled"], workload=workload, thresholds=thresholds,
-                            compare_peers=values["compare_peers"])

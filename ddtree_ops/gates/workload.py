@@ -1,7 +1,8 @@
-"""The performance gate's workload, and measuring it against a server.
+"""Measuring the performance gate's workload against a server.
 
-  Workload / load_prompts      what is sent (prompts, concurrency, sampling, duration)
   measure(client, workload)    run it: streaming POST /generate, TTFT, inter-token latency, tok/s
+
+What is sent (`Workload`, the prompts file) is settings: config/workload_settings.py.
 
 Pure or with its I/O as arguments (an `httpx.Client`, a clock): perfgate.py judges what this
 measures, traffic.py decides when to measure.
@@ -18,123 +19,14 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import httpx
 
-from ..errors import InputError, shown
+from ..config.workload_settings import Workload
+from ..errors import shown
 
-# --------------------------------------------------------------------------- defaults
-
-# Varied on purpose: code, arithmetic, prose, translation, lists, structured output and dialogue
-# draft differently (code and lists are easy for a drafter, free prose is hard), so the accept
-# length and the speed of the mix move when any one kind regresses.
-DEFAULT_PROMPTS: tuple[str, ...] = (
-    "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring.",
-    "A train leaves at 09:40 and travels 312 km at 78 km/h. When does it arrive? Explain step by step.",
-    "Write a short story, about 150 words, about a lighthouse keeper who finds a message in a bottle.",
-    "Translate into French and German: 'The meeting is moved to Thursday afternoon because of the strike.'",
-    "List ten countries in Africa with their capitals, one per line, in the form 'Country: Capital'.",
-    "Explain to a new engineer why a database index speeds up reads but slows down writes.",
-    "Return a JSON object describing a book with the keys title, author, year, genres (a list) and isbn.",
-    "You are a support agent. A customer says their order arrived damaged. Reply politely and offer options.",
-)
-
-DEFAULT_CONCURRENCY = 4
-DEFAULT_MAX_NEW_TOKENS = 64
-DEFAULT_TEMPERATURE = 0.7  # what the DDTree modules are tuned for (temperature-aware drafting)
-DEFAULT_TOP_P = 0.9
-DEFAULT_DURATION_S = 20.0
-DEFAULT_MIN_REQUESTS = 8  # percentiles of fewer requests say little
-DEFAULT_REQUEST_TIMEOUT_S = 60.0  # per request, and per read while streaming
-
-# Prompts files: bounds that keep a wrong path (a model file, a log) from being read whole.
-PROMPTS_FILE_MAX_BYTES = 8 * 1024 * 1024
-PROMPTS_MAX = 10_000
-PROMPT_MAX_CHARS = 65_536
-
-CONCURRENCY_MAX = 64  # under httpx's default pool of 100 connections, so no request waits for one
 # A server that fails every request fails fast: stop launching once this many errors are more
 # than half of what finished (the verdict is "fail" anyway; hammering a broken server helps no one).
 ERROR_CUTOFF = 20
 ERROR_EXAMPLES = 5  # distinct error messages kept for the report
 STOP_GRACE_S = 2.0  # after a stop, how long measure() waits for the workers to close their streams
-
-
-# --------------------------------------------------------------------------- workload
-
-@dataclass(frozen=True)
-class Workload:
-    """What the gate sends. Request i uses prompts[i % len(prompts)], so baseline and canary see
-    the same mix. The run starts requests until `duration_s` has passed *and* at least
-    `min_requests` were started; each started request finishes (or times out), so at least
-    `min_requests` are counted unless the run is stopped."""
-
-    prompts: tuple[str, ...] = DEFAULT_PROMPTS
-    concurrency: int = DEFAULT_CONCURRENCY
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-    temperature: float = DEFAULT_TEMPERATURE
-    top_p: float = DEFAULT_TOP_P
-    duration_s: float = DEFAULT_DURATION_S
-    min_requests: int = DEFAULT_MIN_REQUESTS
-    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
-    prompts_file: str | None = None  # where the prompts came from (None: the built-in list)
-
-    def __post_init__(self) -> None:
-        # A list from a caller becomes a tuple: the dataclass is frozen and hashable.
-        object.__setattr__(self, "prompts", tuple(self.prompts))
-        if not self.prompts:
-            raise ValueError("a workload needs at least one prompt")
-        if self.concurrency < 1 or self.min_requests < 0:
-            raise ValueError("concurrency must be ≥ 1 and min_requests ≥ 0")
-
-    def request_body(self, index: int) -> dict[str, Any]:
-        """The JSON body of request `index`: SGLang's native /generate, streaming."""
-        return {
-            "text": self.prompts[index % len(self.prompts)],
-            "sampling_params": {"temperature": self.temperature, "top_p": self.top_p,
-                                "max_new_tokens": self.max_new_tokens},
-            "stream": True,
-        }
-
-
-def load_prompts(path: str) -> tuple[str, ...]:
-    """Prompts from a file: `*.jsonl` holds one JSON object per line with a non-empty string
-    "text" (other keys ignored); any other file holds one prompt per line. Blank lines are
-    skipped. The format follows the name, never the content: a plain prompt may start with "{".
-    Raises InputError naming the file and line."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read(PROMPTS_FILE_MAX_BYTES + 1)
-    except OSError as e:
-        raise InputError(f"{path}: cannot read: {e.strerror}") from None
-    if len(data) > PROMPTS_FILE_MAX_BYTES:
-        raise InputError(f"{path}: larger than {PROMPTS_FILE_MAX_BYTES} bytes")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise InputError(f"{path}: not UTF-8 (byte {e.start})") from None
-    jsonl = path.endswith(".jsonl")
-    prompts: list[str] = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        if jsonl:
-            try:
-                obj = json.loads(line)
-            except ValueError as e:
-                raise InputError(f"{path} line {n}: not JSON ({e})") from None
-            prompt = obj.get("text") if isinstance(obj, dict) else None
-            if not isinstance(prompt, str) or not prompt.strip():
-                raise InputError(f"{path} line {n}: needs a JSON object with a non-empty string \"text\", "
-                                 f"got {shown(obj)}")
-        else:
-            prompt = line
-        if len(prompt) > PROMPT_MAX_CHARS:
-            raise InputError(f"{path} line {n}: prompt longer than {PROMPT_MAX_CHARS} characters")
-        prompts.append(prompt)
-        if len(prompts) > PROMPTS_MAX:
-            raise InputError(f"{path}: more than {PROMPTS_MAX} prompts")
-    if not prompts:
-        shape = 'one JSON object with "text" per line' if jsonl else "one prompt per line"
-        raise InputError(f"{path}: no prompts ({shape})")
-    return tuple(prompts)
 
 
 # --------------------------------------------------------------------------- measurement
@@ -391,7 +283,7 @@ def _head(r: httpx.Response, limit: int = 200) -> str:
 def measure(client: httpx.Client, workload: Workload, *, clock: Callable[[], float] = time.monotonic,
             should_stop: Callable[[], bool] | None = None) -> Measurement:
     """Run `workload` against the server behind `client` (base_url: the server; it carries the
-    API key header, see health.http_client) with `workload.concurrency` threads, each sending
+    API key header, see host.http.http_client) with `workload.concurrency` threads, each sending
     streaming `POST /generate` requests one after another.
 
     A request fails (counts in `errors`) on a status other than 200, a connection error, a

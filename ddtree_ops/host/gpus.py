@@ -1,4 +1,4 @@
-"""Who holds GPU memory on a host, and whether a deploy may go on (issue 12, deliverable 2).
+"""Who holds GPU memory on a host, and whether a deploy may go on.
 
 A server that stopped does not always give its GPU memory back at once (a worker process still
 exiting, an orphan of an earlier crash), and a new server started meanwhile dies of out-of-memory

@@ -1,35 +1,53 @@
-"""The release store on a host, driven from here through the remote agent.
+"""The release store on a host (files, backups, lock, journal, releases), driven from here through
+the host's agent: one typed method per agent op, each building its `protocol` request.
 
-`ReleaseStore` speaks the agent's protocol (one JSON request per line, one JSON answer per line)
-through a transport. `AgentChannel` starts ONE agent process per operation on the host's own
-Python (`python -I -S -c BOOTSTRAP`, under `sudo -n` for a non-root user), sends it
-`remote_agent.py`'s source, and then every request of the operation over that one SSH channel:
-no file is left behind, no value passes through a shell, and no SSH exec or Python start is paid
-per step. That process holds the deploy lock while it lives, so the lock dies with the
-operation's connection. A fake host (ddtree_ops.testing.fake_host) is another transport.
+A method answers what its caller reads: a reply dataclass where the caller reads fields, the
+agent's document where it is passed on whole (facts, history). The transport is an
+`AgentTransport`: the SSH channel (channel.py) or a fake host.
 """
 
 from __future__ import annotations
 
 import base64
-import contextlib
 import getpass
-import json
 import os
 import socket
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from ..config.inventory import Host
-from ..errors import LockHeldError, RemoteCommandError, UnreachableError
-from ..testing.pause_points import call_name, fault_for
-from . import agent as remote_agent
-from .transport import HostConnection
-
-_AGENT_SOURCE = Path(remote_agent.__file__).read_text()
+from ..errors import LockHeldError
+from .agent.protocol import (
+    Backup,
+    BackupPath,
+    Compile,
+    CompileReply,
+    Facts,
+    History,
+    Install,
+    InstallFile,
+    Journal,
+    LaunchCheck,
+    Lock,
+    LockReply,
+    ProcInfo,
+    Prune,
+    ReleaseWrite,
+    RemovePartial,
+    RemovePartialReply,
+    Request,
+    Restore,
+    RestoreReply,
+    SetCurrent,
+    Unlock,
+    VerifyBackup,
+    VerifyBackupReply,
+    VerifyUnit,
+    VerifyUnitReply,
+)
+from .channel import AgentTransport, ask
 
 
 def new_release_id() -> str:
@@ -47,146 +65,10 @@ class LockHolder:
     holder: dict[str, Any]
 
 
-class AgentTransport(Protocol):
-    def call(self, request: dict[str, Any], timeout: float) -> dict[str, Any]:
-        """Run one agent request; its `result`, or RemoteCommandError/UnreachableError."""
-
-    def close(self) -> None:
-        """End the agent process (and with it the lock it holds)."""
-
-
-def agent_argv(python: str) -> list[str]:
-    """How the host's Python runs the agent: isolated (-I: no PYTHONPATH, no user site, no
-    current folder) and without `site` (-S), so no `.pth` file in the venv runs as root. The agent
-    needs only the standard library."""
-    return [python, "-I", "-S", "-c", remote_agent.BOOTSTRAP]
-
-
-# Without a request for this long the agent exits (freeing the lock): a controller whose network
-# vanished without closing the TCP connection is noticed. Long waits poll the unit meanwhile.
-IDLE_TIMEOUT_S = 600.0
 # How long `lock` waits for a holder that is just ending (its agent reading EOF and exiting).
 LOCK_GRACE_S = 3.0
-
-
-class AgentChannel:
-    """The remote agent over one SSH channel, started on the first request.
-
-    After a lost connection or a timed-out request the channel is closed and every later call
-    raises UnreachableError until `reset()` (a reconnect) starts a new agent."""
-
-    def __init__(self, conn: HostConnection, host: Host):
-        self.conn, self.host = conn, host
-        self._chan: Any = None
-        self._buf = bytearray()
-        self._broken: str | None = None
-        self.starts = 0  # agent processes started (one per operation unless reconnected)
-
-    def _start(self) -> None:
-        chan = self.conn.start(agent_argv(self.host.python))
-        source = _AGENT_SOURCE.encode()
-        try:
-            chan.sendall(b"%010d" % len(source) + source)
-        except (OSError, EOFError) as e:
-            chan.close()
-            raise UnreachableError(f"{self.host.name}: connection lost while starting the agent: {e}") from None
-        self._chan, self._buf = chan, bytearray()
-        self.starts += 1
-        self._exchange({"op": "hello", "idle_timeout": IDLE_TIMEOUT_S}, self.host.connect_timeout_s + 30)
-
-    def call(self, request: dict[str, Any], timeout: float) -> dict[str, Any]:
-        if self._broken:
-            raise UnreachableError(f"{self.host.name}: {self._broken}")
-        if self._chan is None:
-            self._start()
-        fault = fault_for(request)  # a test hook, off unless its environment variable is set
-        if fault == "fail":
-            raise RemoteCommandError(f"{self.host.name}: remote step {call_name(request)!r} failed (test fault)")
-        if fault == "drop":
-            self.conn.close()
-        return answer_result(self.host.name, request["op"], self._exchange(request, timeout))
-
-    def _exchange(self, request: dict[str, Any], timeout: float) -> dict[str, Any]:
-        op = request["op"]
-        chan = self._chan
-        try:
-            chan.sendall(json.dumps(request).encode() + b"\n")
-            deadline = time.monotonic() + timeout
-            while (nl := self._buf.find(b"\n")) < 0:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    self._fail(f"remote step {op!r} timed out after {timeout:g} s; the agent was stopped")
-                    raise RemoteCommandError(f"{self.host.name}: remote step {op!r} timed out after {timeout:g} s")
-                chan.settimeout(min(left, 5.0))
-                try:
-                    chunk = chan.recv(1 << 20)
-                except socket.timeout:
-                    continue
-                if not chunk:
-                    raise UnreachableError(f"{self.host.name}: {self._why_ended(op)}")
-                self._buf += chunk
-        except (OSError, EOFError) as e:
-            self._fail(f"connection lost during remote step {op!r}: {e}")
-            raise UnreachableError(f"{self.host.name}: connection lost during remote step {op!r}: {e}") from None
-        except UnreachableError as e:
-            self._fail(str(e).split(": ", 1)[-1])
-            raise
-        line = bytes(self._buf[:nl])
-        del self._buf[:nl + 1]
-        try:
-            return json.loads(line)
-        except ValueError:
-            self._fail(f"unreadable answer to {op!r}")
-            raise RemoteCommandError(f"{self.host.name}: remote step {op!r}: unreadable answer from "
-                                     f"{self.host.python}: {line[-300:]!r} {self._stderr()}") from None
-
-    def _why_ended(self, op: str) -> str:
-        """EOF from the agent: it exited (with a status and maybe a traceback), or the connection
-        went (sshd or the network gone: no exit status)."""
-        chan = self._chan
-        status = chan.recv_exit_status() if chan is not None and chan.exit_status_ready() else -1
-        if status != -1:  # paramiko's -1: the channel closed without one
-            return f"the agent exited ({status}) during {op!r}: {self._stderr()}"
-        return f"connection lost during remote step {op!r} (the SSH channel closed without an exit status)"
-
-    def _stderr(self) -> str:
-        err = b""
-        try:
-            while self._chan is not None and self._chan.recv_stderr_ready():
-                chunk = self._chan.recv_stderr(1 << 16)
-                if not chunk:  # end of the stream: a channel may still call that "ready"
-                    break
-                err += chunk
-        except (OSError, EOFError):
-            pass
-        text = err.decode(errors="replace").strip()
-        return text[-800:] if text else "(no error output)"
-
-    def _fail(self, why: str) -> None:
-        self._broken = why
-        self._close_channel()
-
-    def _close_channel(self) -> None:
-        if self._chan is not None:
-            with contextlib.suppress(Exception):
-                self._chan.close()
-        self._chan = None
-
-    def reset(self) -> None:
-        """Forget the old agent (after a reconnect); the next call starts a new one."""
-        self._close_channel()
-        self._broken = None
-
-    def close(self) -> None:
-        self._close_channel()
-        self._broken = "the agent was closed"
-
-
-def answer_result(host: str, op: str, answer: dict[str, Any]) -> dict[str, Any]:
-    """The agent's answer document → its result, or the error it reported."""
-    if not answer.get("ok"):
-        raise RemoteCommandError(f"{host}: remote step {op!r} failed: {answer.get('error')}")
-    return answer["result"]
+# Every store op answers within this (a backup or an install of a patch set's files included).
+STORE_TIMEOUT_S = 300.0
 
 
 class ReleaseStore:
@@ -196,16 +78,42 @@ class ReleaseStore:
         self.held: LockHolder | None = None  # the lock this operation holds, re-taken after a reconnect
         self.lock_grace_s = LOCK_GRACE_S
 
-    def call(self, op: str, timeout: float = 300, **request: Any) -> dict[str, Any]:
-        return self.agent.call({"op": op, "state_dir": self.state_dir, **request}, timeout)
+    def _ask(self, request: Request) -> Any:
+        return ask(self.agent, request, STORE_TIMEOUT_S)
 
     # -- facts ---------------------------------------------------------------------------------
     def facts(self, paths: list[str], secret_paths: list[str] = ()) -> dict[str, Any]:
         """Host facts; `secret_paths` get mode and owner only (no hash of a secret leaves the host)."""
-        return self.call("facts", site_packages=self.host.site_packages, unit_path=self.host.unit_path,
-                         paths=paths, secret_paths=list(secret_paths))
+        return self._ask(Facts(self.state_dir, self.host.site_packages, self.host.unit_path, list(paths),
+                               list(secret_paths)))
+
+    def unit_text(self, unit_path: str) -> str | None:
+        """The text of a unit file on the host (None: there is none), read as `facts` reads the
+        host's own unit."""
+        return self._ask(Facts(self.state_dir, self.host.site_packages, unit_path))["unit_text"]
+
+    # -- checks before anything is written ----------------------------------------------------------
+    def compile(self, files: dict[str, str]) -> list[str]:
+        """Compile errors of new modules (path → base64 source) under the host's own Python."""
+        reply: CompileReply = CompileReply.from_wire(self._ask(Compile(files)))
+        return reply.errors
+
+    def verify_unit(self, unit_name: str, text: str, argv: list[str]) -> VerifyUnitReply:
+        return VerifyUnitReply.from_wire(self._ask(VerifyUnit(unit_name, text, argv)))
+
+    def launch_check(self, request: LaunchCheck) -> dict[str, Any]:
+        """The server parser's verdict on a launch line and who holds its ports (the document
+        runbook.launch_check reads)."""
+        return self._ask(request)
+
+    def proc_info(self, pids: list[int]) -> dict[str, dict[str, Any]]:
+        """Command line and ancestors of each PID still running, by PID as a string."""
+        return self._ask(ProcInfo(list(pids)))
 
     # -- lock ------------------------------------------------------------------------------------
+    def _lock(self, request: Lock) -> LockReply:
+        return LockReply.from_wire(self._ask(request))
+
     def acquire_lock(self, command: str, *, break_tokens: tuple[str, ...] = ()) -> LockHolder:
         """Take the host's deploy lock for this operation (it lives as long as the agent process).
         `break_tokens`: holders' tokens the operator read in a lock message and chose to end."""
@@ -215,12 +123,12 @@ class ReleaseStore:
             "since": time.time(), "since_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "command": command,
         }
-        res = self.call("lock", holder=holder, wait_s=self.lock_grace_s)
-        if not res["acquired"] and res["holder"].get("token") in break_tokens:
-            res = self.call("lock", holder=holder, **{"break": res["holder"]["token"]})
-        if not res["acquired"]:
-            raise LockHeldError(lock_message(self.host.name, res["holder"], res.get("break_failed", False)))
-        self.held = LockHolder(token, res["holder"])
+        res = self._lock(Lock(self.state_dir, holder, wait_s=self.lock_grace_s))
+        if not res.acquired and (res.holder or {}).get("token") in break_tokens:
+            res = self._lock(Lock(self.state_dir, holder, break_token=res.holder["token"]))
+        if not res.acquired:
+            raise LockHeldError(lock_message(self.host.name, res.holder or {}, res.break_failed))
+        self.held = LockHolder(token, res.holder)
         return self.held
 
     def relock(self) -> None:
@@ -228,25 +136,49 @@ class ReleaseStore:
         LockHeldError when somebody else took it while the connection was down."""
         if self.held is None:
             return
-        res = self.call("lock", holder=dict(self.held.holder, token=self.held.token, reacquired_at=time.time()),
-                        wait_s=self.lock_grace_s, resume_generation=self.held.holder.get("generation"))
-        if not res["acquired"]:
+        res = self._lock(Lock(self.state_dir, dict(self.held.holder, token=self.held.token, reacquired_at=time.time()),
+                              wait_s=self.lock_grace_s, resume_generation=self.held.holder.get("generation")))
+        if not res.acquired:
             self.held = None
             raise LockHeldError(f"{self.host.name}: the deploy lock was taken by another run while the connection "
-                                f"was down ({describe_holder(res['holder'])}); this run no longer knows the host's "
-                                f"state and stops without touching it")
-        self.held = LockHolder(self.held.token, res["holder"])
+                                f"was down ({describe_holder(res.holder or {})}); this run no longer knows the "
+                                f"host's state and stops without touching it")
+        self.held = LockHolder(self.held.token, res.holder)
 
     def release_lock(self, lock: LockHolder) -> None:
         self.held = None
-        self.call("unlock", token=lock.token)
+        self._ask(Unlock(self.state_dir, lock.token))
 
     # -- journal ---------------------------------------------------------------------------------
     def journal(self, **fields: Any) -> None:
-        self.call("journal", journal=fields)
+        self._ask(Journal(self.state_dir, journal=fields))
 
     def clear_journal(self) -> None:
-        self.call("journal", clear=True)
+        self._ask(Journal(self.state_dir, clear=True))
+
+    # -- files -----------------------------------------------------------------------------------
+    def backup(self, rid: str, paths: list[BackupPath]) -> None:
+        """Every path release `rid` will touch, copied into its backup and read back."""
+        self._ask(Backup(self.state_dir, rid, list(paths)))
+
+    def install(self, files: list[InstallFile], test_pause: dict[str, Any] | None = None) -> None:
+        """Each file written atomically; `test_pause` is a test hook's (the agent pauses between files)."""
+        self._ask(Install(self.state_dir, list(files), test_pause))
+
+    def remove_partial(self, rid: str) -> bool:
+        """Drop what an interrupted backup of `rid` left; whether `rid` has a complete backup."""
+        reply: RemovePartialReply = RemovePartialReply.from_wire(self._ask(RemovePartial(self.state_dir, rid)))
+        return reply.backup_complete
+
+    def verify_backup(self, rid: str) -> list[str]:
+        """What is wrong with the backup of `rid` ('original': the pristine one); [] when sound."""
+        reply: VerifyBackupReply = VerifyBackupReply.from_wire(self._ask(VerifyBackup(self.state_dir,
+                                                                                      self.backup_dir(rid))))
+        return reply.problems
+
+    def restore(self, rid: str) -> RestoreReply:
+        """The files as release `rid` found them, byte for byte; `refused` when the backup is corrupted."""
+        return RestoreReply.from_wire(self._ask(Restore(self.state_dir, self.backup_dir(rid))))
 
     # -- releases --------------------------------------------------------------------------------
     def release_dir(self, rid: str) -> str:
@@ -256,16 +188,16 @@ class ReleaseStore:
         return f"{self.state_dir}/original" if rid == "original" else f"{self.release_dir(rid)}/backup"
 
     def write_release(self, rid: str, **fields: Any) -> dict[str, Any]:
-        return self.call("release_write", release_id=rid, fields=fields)["release"]
+        return self._ask(ReleaseWrite(self.state_dir, rid, fields))["release"]
 
     def set_current(self, rid: str | None) -> None:
-        self.call("set_current", release_id=rid)
+        self._ask(SetCurrent(self.state_dir, rid))
 
     def history(self) -> dict[str, Any]:
-        return self.call("history")
+        return self._ask(History(self.state_dir))
 
     def prune(self, keep: int) -> list[str]:
-        return self.call("prune", keep=keep)["removed"]
+        return self._ask(Prune(self.state_dir, keep))["removed"]
 
 
 def describe_holder(h: dict[str, Any]) -> str:

@@ -13,10 +13,12 @@ from typing import TYPE_CHECKING
 
 from ..config.redaction import SECRET_NAME_WORDS
 from ..errors import RemoteCommandError
+from .agent.protocol import Run, RunReply, RunResult
+from .channel import ask
 from .gpus import QUERY, GpuApp, parse_gpu_apps
 
 if TYPE_CHECKING:
-    from .release_store import AgentTransport
+    from .channel import AgentTransport
 
 
 @dataclass(frozen=True)
@@ -117,40 +119,40 @@ class Services:
         # leave the host (SGLang logs its API key at start-up).
         self.scrub_files = scrub_files
 
-    def _run(self, argv: list[str], timeout: float = 120) -> dict:
-        return self.agent.call({"op": "run", "argv": argv, "timeout": timeout}, timeout + 30)
+    def _run(self, argv: list[str], timeout: float = 120) -> RunResult:
+        return RunResult.from_wire(ask(self.agent, Run(argv=argv, timeout=timeout), timeout + 30))
 
     def states(self, units: tuple[str, ...] | list[str]) -> dict[str, UnitState]:
         units = tuple(units)
-        return parse_states(self._run(states_argv(units))["stdout"], units)
+        return parse_states(self._run(states_argv(units)).stdout, units)
 
     def state(self, unit: str) -> UnitState:
         return self.states((unit,))[unit]
 
     def main_pid(self, unit: str) -> int | None:
-        return parse_main_pid(self._run(["systemctl", "show", "-p", "MainPID", unit])["stdout"])
+        return parse_main_pid(self._run(["systemctl", "show", "-p", "MainPID", unit]).stdout)
 
     def probe(self, unit: str, lines: int = 30) -> UnitProbe:
-        show, journal = self.agent.call({"op": "run", "argvs": probe_argvs(unit, lines), "timeout": 30,
-                                         "scrub_files": list(self.scrub_files),
-                                         "secret_words": list(SECRET_NAME_WORDS)}, 60)["results"]
-        return parse_probe(show["stdout"], journal["stdout"])
+        request = Run(argvs=probe_argvs(unit, lines), timeout=30, scrub_files=list(self.scrub_files),
+                      secret_words=list(SECRET_NAME_WORDS))
+        show, journal = RunReply.from_wire(ask(self.agent, request, 60)).results
+        return parse_probe(show.stdout, journal.stdout)
 
     def gpu_apps(self) -> list[GpuApp] | None:
         """Processes holding GPU memory (nvidia-smi); None on a host without nvidia-smi."""
         r = self._run(QUERY, timeout=60)
-        if r["rc"] == 127:
+        if r.rc == 127:
             return None
-        if r["rc"] != 0:
-            raise RemoteCommandError(f"{self.host_name}: nvidia-smi exited {r['rc']}: "
-                                     f"{(r['stderr'] or r['stdout']).strip()[-400:]}")
-        return parse_gpu_apps(r["stdout"])
+        if r.rc != 0:
+            raise RemoteCommandError(f"{self.host_name}: nvidia-smi exited {r.rc}: "
+                                     f"{(r.stderr or r.stdout).strip()[-400:]}")
+        return parse_gpu_apps(r.stdout)
 
     def _checked(self, argv: list[str], timeout: float = 120) -> None:
         r = self._run(argv, timeout)
-        if r["rc"] != 0:
-            raise RemoteCommandError(f"{self.host_name}: `{' '.join(argv)}` exited {r['rc']}: "
-                                     f"{(r['stderr'] or r['stdout']).strip()[-800:]}")
+        if r.rc != 0:
+            raise RemoteCommandError(f"{self.host_name}: `{' '.join(argv)}` exited {r.rc}: "
+                                     f"{(r.stderr or r.stdout).strip()[-800:]}")
 
     def daemon_reload(self) -> None:
         self._checked(["systemctl", "daemon-reload"])

@@ -1,66 +1,104 @@
-"""One host, connected: the noun the runbook talks to.
+"""One host, connected: the noun the runbook talks to, the same class in every test tier.
 
-A `HostSession` delegates to the three ways the tool touches a host: the release store (files,
-backups, lock, journal) and the units (systemctl), both through the one agent process that serves
-the operation on the host, and HTTP to the server (health, /generate). A fake host
-(ddtree_ops.testing.fake_host) offers the same attributes in memory, so the runbook's order of
-steps and its rollbacks are tested without hosts.
+A `HostSession` builds the ways the tool touches a host on top of one `HostLink`: the release
+store (files, backups, lock, journal) and the units (systemctl), both as requests to the one
+agent process that serves the operation on the host, and HTTP to the server (health,
+/generate). The link is the only seam: `SshLink` over SSH, and the fast tier's fake host
+(ddtree_ops.testing.fake_host), which answers the same agent requests in-process, serves HTTP
+from memory and lets time pass without sleeping. So the real `ReleaseStore` and `Services` run
+in every tier. The request router is not part of a session: it has its own client
+(gates.router), built where the runbook is built.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterator
+from typing import Any, Iterator, Protocol
 
 import httpx
 
 from ..config.inventory import Host
-from ..gates.health import http_client
-from ..gates.router import SmgRouter
-from .release_store import AgentChannel, ReleaseStore
+from .channel import AgentChannel
+from .hooks import NO_HOOKS, Hooks
+from .http import http_client
+from .release_store import ReleaseStore
 from .services import Services
 from .transport import HostConnection
 
 
-class HostSession:
-    def __init__(self, host: Host, conn: HostConnection):
-        self.host, self.conn = host, conn
-        self.agent = AgentChannel(conn, host)
-        self.store = ReleaseStore(self.agent, host)
-        self.services = Services(self.agent, host.name, host.secret_files)
-        self._router: SmgRouter | None = None
+class HostLink(Protocol):
+    """The lowest seams between the controller and one host."""
 
-    def http(self) -> httpx.Client:
-        return http_client(self.host)
+    def call(self, request: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """One request to the host's agent: its result, or RemoteCommandError/UnreachableError."""
 
-    def router(self) -> SmgRouter | None:
-        """The request router in front of this host (inventory `router:`), or None."""
-        if self.host.router is not None and self._router is None:
-            self._router = SmgRouter(self.host.router)
-        return self._router
+    def http_transport(self) -> httpx.BaseTransport | None:
+        """How HTTP reaches the host's server (None: the network)."""
+
+    def sleep(self, seconds: float) -> None:
+        """Let time pass between two polls of the host."""
+
+    def reconnect(self) -> None:
+        """A fresh connection in place of a lost one, and a new agent on the next call (the old
+        one's lock died with it)."""
+
+    def close(self) -> None:
+        """End the agent (freeing its lock) and the connection."""
+
+
+class SshLink:
+    """The link over SSH: one agent process per operation, started on the first request."""
+
+    def __init__(self, host: Host, conn: HostConnection, hooks: Hooks = NO_HOOKS):
+        self.conn = conn
+        self.agent = AgentChannel(conn, host, hooks)
+
+    def call(self, request: dict[str, Any], timeout: float) -> dict[str, Any]:
+        return self.agent.call(request, timeout)
+
+    def http_transport(self) -> httpx.BaseTransport | None:
+        return None
 
     def sleep(self, seconds: float) -> None:
         time.sleep(seconds)
 
     def reconnect(self) -> None:
-        """A fresh SSH connection in place of a lost one (same host-key checks), a new agent, and
-        the operation's lock taken again (LockHeldError if another run took it meanwhile)."""
+        """Same host-key checks as the first connection."""
         self.agent.reset()
         self.conn.reconnect()
-        self.store.relock()
 
     def close(self) -> None:
-        if self._router is not None:
-            self._router.close()
         self.agent.close()
         self.conn.close()
 
 
-def open_session(host: Host, *, accept_new_host_keys: bool = False) -> HostSession:
+class HostSession:
+    def __init__(self, host: Host, link: HostLink, hooks: Hooks = NO_HOOKS):
+        self.host, self.link, self.hooks = host, link, hooks
+        self.store = ReleaseStore(link, host)
+        self.services = Services(link, host.name, host.secret_files)
+
+    def http(self) -> httpx.Client:
+        return http_client(self.host, self.link.http_transport())
+
+    def sleep(self, seconds: float) -> None:
+        self.link.sleep(seconds)
+
+    def reconnect(self) -> None:
+        """A fresh connection and agent, and the operation's lock taken again (LockHeldError if
+        another run took it meanwhile)."""
+        self.link.reconnect()
+        self.store.relock()
+
+    def close(self) -> None:
+        self.link.close()
+
+
+def open_session(host: Host, *, accept_new_host_keys: bool = False, hooks: Hooks = NO_HOOKS) -> HostSession:
     conn = HostConnection(host, accept_new_host_keys=accept_new_host_keys)
     conn.open()
-    return HostSession(host, conn)
+    return HostSession(host, SshLink(host, conn, hooks), hooks)
 
 
 @contextlib.contextmanager

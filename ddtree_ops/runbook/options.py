@@ -1,5 +1,5 @@
 """What the operator asked of a deploy or rollback, beyond the inventory: the options every
-phase of the runbook reads (runbook.py, traffic.py)."""
+phase of the runbook reads (engine.py, phases.py, traffic.py)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
-"""The runbook of one host, as public phases.
-
-    lock → repair an interrupted deploy → preflight → backup and install → restart →
-    wait for weights and gate → commit;  on failure after the first change: roll back.
+"""The runbook of one host: what each phase does on it. In which order the phases run, and on
+which nodes of a server, is the phase list in engine.py (`DEPLOY`), the one place that says it.
 
 Every phase that changes the host first records its step in the host's journal, so an
-interruption anywhere is repaired (rolled back) by the next deploy or rollback. `deploy.py` and
-`rollback.py` compose these phases for one host, `multinode.py` for the nodes of one server.
+interruption anywhere is repaired (rolled back) by the next deploy or rollback. The router and
+the performance gate are their own object (traffic.py), held here as `traffic`.
 """
 
 from __future__ import annotations
@@ -22,33 +20,24 @@ from ..config.redaction import SECRET_NAME_WORDS
 from ..config.schema import is_valid_unit_name
 from ..errors import CorruptJournal, InputError, RemoteCommandError, RollbackFailed, UnreachableError
 from ..gates.health import HealthFailure, drain, health_gate, soak, wait_until_serving
+from ..gates.router import SmgRouter
 from ..gates.startup import PhaseTracker, Transition
+from ..host.agent.protocol import BackupPath, InstallFile, LaunchCheck
 from ..host.gpus import GpuApp, describe, foreign_apps
 from ..host.journal import journal_problem
 from ..host.release_store import LockHolder, b64, new_release_id
 from ..host.services import UnitState
 from ..host.session import HostSession
-from ..testing.pause_points import agent_pause_request, pause
+from .events import EventSink, quiet
 from .launch_check import launch_line, parse_problems, port_problems, ports_to_check
 from .options import DeployOptions
 from .plan import HostPlan, compute_plan, read_host, target_path
-from .results import PHASE_EVENT, Reporter
-from .traffic import TrafficPhases
+from .steps import StepFailed, StepLog
+from .traffic import Traffic
 
-
-def quiet(host: str, msg: str) -> None:
-    pass
-
+__all__ = ["RUNNING", "DeployOptions", "Release", "Runbook", "StepFailed", "quiet"]
 
 RUNNING = ("active", "activating")
-
-
-class StepFailed(Exception):
-    """A step of the runbook failed; the host may be half-changed and must be rolled back."""
-
-    def __init__(self, step: str, message: str, log: list[str] | None = None):
-        super().__init__(message)
-        self.step, self.log = step, log or []
 
 
 @dataclass
@@ -66,7 +55,7 @@ class Release:
         return self.journal.get("previous")
 
 
-class Runbook(TrafficPhases):
+class Runbook:
     """The phases of a deploy and a rollback on one connected host.
 
     `health_checked=False` is a node of rank >= 1 of a multi-node server: it answers 200 on
@@ -74,31 +63,33 @@ class Runbook(TrafficPhases):
     checked to be running.
     """
 
-    def __init__(self, session: HostSession, report: Reporter = quiet, *, health_checked: bool = True):
-        self.session, self.report, self.health_checked = session, report, health_checked
+    def __init__(self, session: HostSession, report: EventSink = quiet, *, health_checked: bool = True,
+                 router: SmgRouter | None = None):
+        self.session, self.health_checked = session, health_checked
         self.host = session.host
         self.store, self.services = session.store, session.services
-        self.steps: list[dict[str, Any]] = []
+        self.log = StepLog(self.host.name, report)
+        self.traffic = Traffic(session, self.log, health_checked=health_checked, router=router)
         self._states_read: dict[str, UnitState] | None = None
         self.warnings: list[str] = []  # what went wrong without failing the run (housekeeping)
         self._drained: set[str] = set()
         self._gpu_strangers: set[int] = set()  # GPU holders preflight found and --force let stay
         self._log_before: list[str] = []  # the unit's log tail just before this run started it
 
-    def failure(self, step: str, message: str) -> StepFailed:
-        return StepFailed(step, message)
-
     def phase(self, name: str) -> None:
-        """The phase the host is now in, for the live view (results.PHASE_EVENT)."""
-        self.report(self.host.name, PHASE_EVENT + name)
+        self.log.phase(name)
 
     def step(self, name: str, detail: str = "") -> None:
-        self.steps.append({"step": name, "t": time.time(), "detail": detail})
-        self.report(self.host.name, f"{name}{': ' + detail if detail else ''}")
+        self.log.step(name, detail)
+
+    @property
+    def steps(self) -> list[dict[str, Any]]:
+        """The steps done so far, as the host's result records them."""
+        return self.log.records()
 
     @property
     def last_step(self) -> str:
-        return self.steps[-1]["step"] if self.steps else "?"
+        return self.log.last_step
 
     # -- lock ------------------------------------------------------------------------------------
     def lock(self, opts: DeployOptions) -> LockHolder:
@@ -108,7 +99,7 @@ class Runbook(TrafficPhases):
         try:
             self.store.release_lock(lock)
         except Exception as e:  # the result matters more; a left lock is reported with its holder
-            self.report(self.host.name, f"warning: could not release the deploy lock: {e}")
+            self.log.note(f"warning: could not release the deploy lock: {e}")
 
     # -- repair ----------------------------------------------------------------------------------
     def read_journal(self) -> dict[str, Any] | None:
@@ -156,7 +147,7 @@ class Runbook(TrafficPhases):
         plan = compute_plan(self.host, ps, facts, render_unit(self.host, opts.templates_dir), force=opts.force)
         gpu = self._gpu_problems()
         refusals = [*plan.refusals, *self._compile_problems(ps), *self._unit_problems(plan.unit_new),
-                    *([] if opts.force else gpu), *self.router_problems()]
+                    *([] if opts.force else gpu), *self.traffic.router_problems()]
         return dataclasses.replace(plan, refusals=tuple(refusals))
 
     def _gpu_problems(self) -> list[str]:
@@ -165,7 +156,7 @@ class Runbook(TrafficPhases):
         apps = self.services.gpu_apps()
         if not apps:
             return []
-        procs = self.store.call("proc_info", pids=[a.pid for a in apps])
+        procs = self.store.proc_info([a.pid for a in apps])
         units = ", ".join((self.host.unit, *self.host.conflicts))
         foreign = foreign_apps(apps, procs, self._our_main_pids())
         # With --force these stay, and the wait after the stop does not wait for them.
@@ -206,15 +197,14 @@ class Runbook(TrafficPhases):
         pyfiles = {target_path(self.host, pf.path): b64(pf.source.read_bytes()) for pf in ps.python_files()}
         if not pyfiles:
             return []
-        errors = self.store.call("compile", files=pyfiles)["errors"]
+        errors = self.store.compile(pyfiles)
         return [f"does not compile with {self.host.python}: {e}" for e in errors]
 
     def _unit_problems(self, text: str) -> list[str]:
         h = self.host
-        res = self.store.call("verify_unit", unit_name=h.unit, text=text,
-                              argv=verify_command("@PATH@/" + h.unit, h.unit)[:-1] + ["@PATH@"])
-        if res.get("available"):
-            problems = verify_problems(res["returncode"], res["stdout"], res["stderr"], h.unit)
+        res = self.store.verify_unit(h.unit, text, verify_command("@PATH@/" + h.unit, h.unit)[:-1] + ["@PATH@"])
+        if res.available:
+            problems = verify_problems(res.returncode, res.stdout, res.stderr, h.unit)
             return [f"unit {h.unit} fails systemd-analyze verify on the host: {p}" for p in problems]
         try:  # the host has no systemd-analyze: check here, without the host's executables
             verify_unit(text, h.unit, check_executables=False)
@@ -265,20 +255,20 @@ class Runbook(TrafficPhases):
                                  active_before=j["active_before"], enabled_before=j["enabled_before"],
                                  by=j["holder"]["user"], command=opts.command)
         self._journal(release, "backup")
-        pause("before-backup")
-        paths = [{"path": f.path, "kind": "file"} for f in plan.files] + [{"path": h.unit_path, "kind": "unit"}]
-        self._guarded("backup", lambda: self.store.call("backup", release_id=rid, paths=paths))
-        pause("after-backup")
+        self.session.hooks.pause("before-backup")
+        paths = [BackupPath(f.path, "file") for f in plan.files] + [BackupPath(h.unit_path, "unit")]
+        self._guarded("backup", lambda: self.store.backup(rid, paths))
+        self.session.hooks.pause("after-backup")
 
         self._journal(release, "install")
-        files = [{"path": f.path, "content_b64": b64(pf.source.read_bytes()), "sha256": pf.sha256, "mode": pf.mode}
+        files = [InstallFile(f.path, b64(pf.source.read_bytes()), pf.sha256, pf.mode)
                  for f, pf in zip(plan.files, ps.files, strict=True)]
-        self._guarded("install", lambda: self.store.call("install", files=files, **agent_pause_request()))
+        test_pause = self.session.hooks.agent_install_pause()
+        self._guarded("install", lambda: self.store.install(files, **test_pause))
         release.unit_bytes = plan.unit_new.encode()
-        unit = {"path": h.unit_path, "content_b64": b64(release.unit_bytes),
-                "sha256": hashlib.sha256(release.unit_bytes).hexdigest(), "mode": 0o644}
-        self._guarded("install unit", lambda: self.store.call("install", files=[unit]))
-        pause("after-unit")
+        unit = InstallFile(h.unit_path, b64(release.unit_bytes), hashlib.sha256(release.unit_bytes).hexdigest(), 0o644)
+        self._guarded("install unit", lambda: self.store.install([unit]))
+        self.session.hooks.pause("after-unit")
         self._guarded("daemon-reload", self.services.daemon_reload)
         # Nothing has stopped yet: a launch line the server would refuse fails here, and the
         # rollback restores the files while the old server keeps serving.
@@ -306,9 +296,8 @@ class Runbook(TrafficPhases):
             self.step("launch check", "skipped: ExecStart is not `PYTHON -m MODULE ARGS`")
             return
         ports = ports_to_check(h)
-        res = self.store.call("launch_check", python=line.python, module=line.module, args=list(line.args),
-                              sglang=line.sglang, ports=ports, scrub_files=list(h.secret_files),
-                              secret_words=list(SECRET_NAME_WORDS))
+        res = self.store.launch_check(LaunchCheck(line.python, line.module, list(line.args), ports, line.sglang,
+                                                  list(h.secret_files), list(SECRET_NAME_WORDS)))
         problems = parse_problems(line, res) + port_problems(res["holders"], self._our_main_pids())
         if problems:
             raise StepFailed("launch check", "; ".join(problems))
@@ -324,7 +313,7 @@ class Runbook(TrafficPhases):
         if not self.health_checked or unit in self._drained:
             return
         self._drained.add(unit)
-        self.leave_router()
+        self.traffic.leave_router()
         self.phase("drain")
         res = drain(self.session, self.host.health.drain_timeout_s)
         if res.at_start is None:
@@ -351,13 +340,13 @@ class Runbook(TrafficPhases):
         """Wait for the weights to load (/health 200, the process never replaced), then the gate."""
         h = self.host
         self._journal(release, "wait for weights")
-        pause("wait-for-weights")
+        self.session.hooks.pause("wait-for-weights")
         last = [0.0]
 
         def progress(elapsed: float, line: str) -> None:
             if elapsed - last[0] >= 5 or elapsed < 0.01:
                 last[0] = elapsed
-                self.report(h.name, f"waiting {elapsed:5.1f} s: {line}")
+                self.log.note(f"waiting {elapsed:5.1f} s: {line}")
 
         def on_phase(ended: list[Transition], tracker: PhaseTracker, elapsed: float) -> None:
             for t in ended:
@@ -411,7 +400,7 @@ class Runbook(TrafficPhases):
         """The release becomes current; older releases beyond keep_releases are pruned."""
         h = self.host
         self._journal(release, "commit")
-        pause("before-commit")
+        self.session.hooks.pause("before-commit")
         installed = {f.path: f.new_sha256 for f in plan.files}
         installed[h.unit_path] = hashlib.sha256(release.unit_bytes).hexdigest()
         # The last look: a server that died after the gate must not be committed.
@@ -420,7 +409,7 @@ class Runbook(TrafficPhases):
             raise StepFailed("commit", f"{h.unit} died after passing the health gate ({p.active}, "
                                        f"MainPID {p.main_pid})", p.log)
         self.store.write_release(release.id, outcome="deployed", installed=installed, deployed_at=time.time(),
-                                 **({"perf_gate": self.perf_result} if self.perf_result else {}))
+                                 **({"perf_gate": self.traffic.perf_result} if self.traffic.perf_result else {}))
         self.store.set_current(release.id)
         self.store.clear_journal()
         # Committed: from here on nothing undoes the release. Housekeeping that fails is said.
@@ -443,8 +432,7 @@ class Runbook(TrafficPhases):
                   error: str | None = None) -> None:
         """Undo release `rid`: its backup back in place, the services as they were before it."""
         self.step("rollback", f"restoring the backup of {rid}")
-        done = self.store.call("remove_partial", release_id=rid)
-        if done["backup_complete"]:
+        if self.store.remove_partial(rid):
             self.restore_backup(rid)
         self.services.daemon_reload()
         # Failed or interrupted before "stop conflicts": no unit was stopped, restarted, enabled
@@ -454,8 +442,8 @@ class Runbook(TrafficPhases):
         self.restore_services(journal.get("active_before") or {}, journal.get("enabled_before") or {},
                               untouched=untouched)
         fields: dict[str, Any] = {"outcome": outcome, "rolled_back_at": time.time()}
-        if self.perf_result:
-            fields["perf_gate"] = self.perf_result
+        if self.traffic.perf_result:
+            fields["perf_gate"] = self.traffic.perf_result
         if failed_step:
             fields.update(failed_step=failed_step, error=error)
         self.store.write_release(rid, **fields)
@@ -478,7 +466,7 @@ class Runbook(TrafficPhases):
             except UnreachableError as e:
                 if time.monotonic() >= deadline:
                     raise
-                self.report(self.host.name, f"connection lost ({e}); reconnecting to {what}")
+                self.log.note(f"connection lost ({e}); reconnecting to {what}")
             while True:
                 self.session.sleep(1.0)
                 try:
@@ -516,10 +504,10 @@ class Runbook(TrafficPhases):
     def restore_backup(self, rid: str) -> None:
         """Files as release `rid` found them ('original': as before any release), byte for byte;
         a corrupted backup restores nothing."""
-        res = self.store.call("restore", backup_dir=self.store.backup_dir(rid))
-        if res["refused"]:
+        res = self.store.restore(rid)
+        if res.refused:
             what = "original backup" if rid == "original" else f"backup of {rid}"
-            raise StepFailed("restore", f"{what} is corrupted, refusing to restore it: " + "; ".join(res["problems"]))
+            raise StepFailed("restore", f"{what} is corrupted, refusing to restore it: " + "; ".join(res.problems))
 
     def restore_services(self, active_before: dict[str, str], enabled_before: dict[str, str], *,
                          untouched: bool = False) -> None:
@@ -567,7 +555,7 @@ class Runbook(TrafficPhases):
                 self.drain(u)
             self._bring_back(u, pid)
         if was_active:
-            self.join_router()  # back in the router, healthy (or never out of it: a no-op)
+            self.traffic.join_router()  # back in the router, healthy (or never out of it: a no-op)
 
     def _bring_back(self, unit: str, running_pid: int | None) -> None:
         """Restart `unit` (unless it kept running as `running_pid`) and wait until it is healthy."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ..config.redaction import scrub_lines
 from ..errors import (
@@ -26,12 +26,6 @@ from ..errors import (
     RollbackFailed,
     UnreachableError,
 )
-
-Reporter = Callable[[str, str], None]  # progress of a run: (host name, message)
-# A progress message that starts with this names the phase the host has just entered (drain,
-# stop, start, weights, cuda graphs, warm-up, health gate, perf gate, soak, ...): the live view
-# shows it with its own elapsed time; plain logs print it as it is.
-PHASE_EVENT = "phase: "
 
 
 class Outcome(str, enum.Enum):
@@ -69,7 +63,7 @@ class HostResult:
     failed_step: str | None = None
     message: str = ""
     log: list[str] = field(default_factory=list)
-    steps: list[dict[str, Any]] = field(default_factory=list)
+    steps: list[dict[str, Any]] = field(default_factory=list)  # events.StepDone.record(), in order
     seconds: float = 0.0
     repaired: str | None = None  # an interrupted deploy this run repaired first
     perf_gate: dict[str, Any] | None = None  # the canary's performance gate (perfgate.GateVerdict.as_dict)

@@ -1,19 +1,28 @@
-"""`rollback` on one host: back to the previous release, a named one, or the original files.
+"""`rollback` on one node (a host, or each node of a server in the engine's `ROLLBACK_ORDER`):
+back to the previous release, a named one, or the original files.
 
-`releases_to_undo` decides from the host's history (pure); `rollback_host` verifies every backup
-it will need before touching anything, restores them newest first, and brings the services back
-as they were before the oldest undone release, through the same health gate as a deploy.
+`releases_to_undo` decides from the host's history (pure); `ROLLBACK`, the phases run by the
+engine's executor, verifies every backup it will need before touching anything, restores them
+newest first, and brings the services back as they were before the oldest undone release, through
+the same health gate as a deploy.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import DdtreeOpsError, InputError, RollbackFailed
+from ..gates.router import SmgRouter
+from ..host.release_store import LockHolder
 from ..host.session import HostSession
-from .phases import DeployOptions, Reporter, Runbook, StepFailed, quiet
+from .engine import Nodes, Phase, run_phases
+from .events import EventSink, quiet
+from .options import DeployOptions
+from .phases import Runbook
 from .results import HostResult, Outcome
+from .steps import StepFailed
 
 ORIGINAL = "original"
 
@@ -46,10 +55,69 @@ def releases_to_undo(history: dict[str, Any], to: str | None, host: str) -> list
     return undo
 
 
-def rollback_host(session: HostSession, to: str | None, opts: DeployOptions, report: Reporter = quiet, *,
-                  health_checked: bool = True) -> HostResult:
+@dataclass
+class RollbackRun:
+    """The state of the rollback of one node (the engine's executor runs `ROLLBACK` over it)."""
+
+    nodes: list[Runbook]  # the node being rolled back, alone: each node is rolled back on its own
+    to: str | None
+    opts: DeployOptions
+    lock: LockHolder
+    undo: list[str] = field(default_factory=list)
+    oldest: dict[str, Any] = field(default_factory=dict)
+    journal: dict[str, Any] = field(default_factory=dict)
+    started: list[int] = field(default_factory=list)
+
+    @property
+    def now_on(self) -> str | None:
+        return None if self.to == ORIGINAL else self.oldest.get("previous")
+
+
+def _choose(r: RollbackRun, i: int) -> None:
+    """What to undo, and every backup it needs checked before anything is touched."""
+    rb = r.nodes[i]
+    history = rb.store.history()
+    r.undo = releases_to_undo(history, r.to, rb.host.name)
+    for rid in r.undo:
+        problems = rb.store.verify_backup(rid)
+        if problems:
+            raise RollbackFailed(f"{rb.host.name}: backup of release {rid} is corrupted, refusing to restore it: "
+                                 + "; ".join(problems))
+    r.oldest = next(rel for rel in history["releases"] if rel["id"] == r.undo[-1])
+
+
+def _journal(r: RollbackRun, i: int) -> None:
+    r.journal = r.nodes[i].begin_rollback(r.undo, r.now_on, r.to == ORIGINAL, r.oldest, r.lock)
+
+
+def _restore(r: RollbackRun, i: int) -> None:
+    """From the journal on, one transaction: whatever stops it (a failed step, a lost connection,
+    a bug, Ctrl-C) leaves the journal naming the step, and the next run (`rollback` or `deploy`,
+    no flags) finishes the rollback."""
+    rb = r.nodes[i]
+    try:
+        rb.reconnecting(r.opts.reconnect_s, lambda: rb.finish_rollback(r.journal), "finish the rollback")
+    except (Exception, KeyboardInterrupt) as e:
+        what = ("interrupted (Ctrl-C)" if isinstance(e, KeyboardInterrupt) else str(e)
+                if isinstance(e, (StepFailed, DdtreeOpsError)) else f"{type(e).__name__}: {e}")
+        raise RollbackFailed(f"{rb.host.name}: rollback failed at {r.journal.get('step')}: {what}; the journal on "
+                             f"the host records it: a person must look, then run `ddtree-ops rollback --limit "
+                             f"{rb.host.name}` again to finish it") from None
+
+
+# The rollback of one node, after its lock and the repair of an interrupted run (which, when it
+# happens, is the whole rollback). A server runs it on each node in engine.ROLLBACK_ORDER.
+ROLLBACK: tuple[Phase, ...] = (
+    Phase("choose and verify", Nodes.NODE0, run=_choose),
+    Phase("journal", Nodes.NODE0, run=_journal, changes=True),
+    Phase("restore", Nodes.NODE0, run=_restore),
+)
+
+
+def rollback_host(session: HostSession, to: str | None, opts: DeployOptions, report: EventSink = quiet, *,
+                  health_checked: bool = True, router: SmgRouter | None = None) -> HostResult:
     t0 = time.monotonic()
-    rb = Runbook(session, report, health_checked=health_checked)
+    rb = Runbook(session, report, health_checked=health_checked, router=router)
     h = rb.host
     lock = rb.lock(opts)
     try:
@@ -58,29 +126,10 @@ def rollback_host(session: HostSession, to: str | None, opts: DeployOptions, rep
             return HostResult(h.name, Outcome.ROLLED_BACK, 0, release=repaired, steps=rb.steps,
                               seconds=time.monotonic() - t0, repaired=repaired,
                               message=f"repaired the interrupted operation on {repaired}")
-        history = rb.store.history()
-        undo = releases_to_undo(history, to, h.name)
-        for rid in undo:
-            problems = rb.store.call("verify_backup", backup_dir=rb.store.backup_dir(rid))["problems"]
-            if problems:
-                raise RollbackFailed(f"{h.name}: backup of release {rid} is corrupted, refusing to restore it: "
-                                     + "; ".join(problems))
-        oldest = next(r for r in history["releases"] if r["id"] == undo[-1])
-        now_on = None if to == ORIGINAL else oldest.get("previous")
-        journal = rb.begin_rollback(undo, now_on, to == ORIGINAL, oldest, lock)
-        # From the journal on, one transaction: whatever stops it (a failed step, a lost
-        # connection, a bug, Ctrl-C) leaves the journal naming the step, and the next run
-        # (`rollback` or `deploy`, no flags) finishes the rollback.
-        try:
-            rb.reconnecting(opts.reconnect_s, lambda: rb.finish_rollback(journal), "finish the rollback")
-        except (Exception, KeyboardInterrupt) as e:
-            what = ("interrupted (Ctrl-C)" if isinstance(e, KeyboardInterrupt) else str(e)
-                    if isinstance(e, (StepFailed, DdtreeOpsError)) else f"{type(e).__name__}: {e}")
-            raise RollbackFailed(f"{h.name}: rollback failed at {journal.get('step')}: {what}; the journal on the "
-                                 f"host records it: a person must look, then run `ddtree-ops rollback --limit "
-                                 f"{h.name}` again to finish it") from None
-        return HostResult(h.name, Outcome.ROLLED_BACK, 0, release=now_on, steps=rb.steps,
+        run = RollbackRun([rb], to, opts, lock)
+        run_phases(run, ROLLBACK)
+        return HostResult(h.name, Outcome.ROLLED_BACK, 0, release=run.now_on, steps=rb.steps,
                           seconds=time.monotonic() - t0,
-                          message="; ".join([f"now on {now_on or 'the original upstream files'}", *rb.warnings]))
+                          message="; ".join([f"now on {run.now_on or 'the original upstream files'}", *rb.warnings]))
     finally:
         rb.unlock(lock)

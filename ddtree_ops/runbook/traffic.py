@@ -1,6 +1,6 @@
-"""The runbook's live-traffic phases: the host's place in the request router, and the canary's
-performance gate. A mixin of `runbook.Runbook` (it uses the runbook's session, host, steps and
-phases), kept apart because it is its own concern: what users of the fleet see during a deploy.
+"""The live-traffic phases of one host: its place in the request router, and the canary's
+performance gate. Its own object, which the runbook (phases.py) holds and the phase engine
+(engine.py) calls: what users of the fleet see during a deploy.
 
     measure_baseline (before any change) → ... → leave_router (before a serving unit stops) →
     drain → stop → ... → health gate → join_router → perf_gate → soak → commit
@@ -15,18 +15,29 @@ import time
 from typing import Any
 
 from ..gates.perfgate import GateVerdict, Verdict, compare
-from ..gates.router import RouterError
+from ..gates.router import RouterError, SmgRouter
 from ..gates.workload import Measurement, measure
+from ..host.session import HostSession
 from .options import DeployOptions
+from .steps import StepFailed, StepLog
 
 
-class TrafficPhases:
-    _left_router = False  # this run took the host's worker out of the router
-    perf_result: dict[str, Any] | None = None  # the canary's gate, as recorded and shown
+class Traffic:
+    """The router and the performance gate of one host, in one run. `health_checked=False` (a
+    node of rank >= 1) neither routes nor measures: every phase here is then a no-op. `router`:
+    the client of the router in front of the host (None: no router), built by whoever built the
+    runbook."""
+
+    def __init__(self, session: HostSession, log: StepLog, *, health_checked: bool = True,
+                 router: SmgRouter | None = None):
+        self.session, self.host, self.log, self.health_checked = session, session.host, log, health_checked
+        self.router = router
+        self._left_router = False  # this run took the host's worker out of the router
+        self.perf_result: dict[str, Any] | None = None  # the canary's gate, as recorded and shown
 
     # -- the router ------------------------------------------------------------------------------
-    def _router(self):
-        return self.session.router() if self.health_checked else None
+    def _router(self) -> SmgRouter | None:
+        return self.router if self.health_checked else None
 
     def router_problems(self) -> list[str]:
         """Preflight: the router answers with the key we hold, so no serving unit is stopped for
@@ -46,14 +57,15 @@ class TrafficPhases:
         router = self._router()
         if router is None or self._left_router:
             return
-        self.phase("deregister")
+        self.log.phase("deregister")
         worker = self.host.router.worker
         try:
             was = router.deregister(worker)
         except RouterError as e:
-            raise self.failure("deregister", str(e)) from None
+            raise StepFailed("deregister", str(e)) from None
         self._left_router = True
-        self.step("deregister", f"{worker} {'taken out of' if was else 'was not in'} the router {self.host.router.url}")
+        self.log.step("deregister",
+                      f"{worker} {'taken out of' if was else 'was not in'} the router {self.host.router.url}")
 
     def join_router(self) -> None:
         """The server passed its health gate: the router sends it requests again, and we wait
@@ -62,14 +74,14 @@ class TrafficPhases:
         router = self._router()
         if router is None:
             return
-        self.phase("register")
+        self.log.phase("register")
         worker, t0 = self.host.router.worker, time.monotonic()
         try:
             router.register(worker)
         except RouterError as e:
-            raise self.failure("register", str(e)) from None
+            raise StepFailed("register", str(e)) from None
         self._left_router = False
-        self.step("register", f"{worker} routed by {self.host.router.url} after {time.monotonic() - t0:.1f} s")
+        self.log.step("register", f"{worker} routed by {self.host.router.url} after {time.monotonic() - t0:.1f} s")
 
     # -- the performance gate --------------------------------------------------------------------
     def gate_enabled(self, opts: DeployOptions) -> bool:
@@ -86,11 +98,11 @@ class TrafficPhases:
         if not self.gate_enabled(opts):
             return None
         if not serving:
-            self.step("baseline", "skipped: nothing serves on the host before the change")
+            self.log.step("baseline", "skipped: nothing serves on the host before the change")
             return None
-        self.phase("baseline")
+        self.log.phase("baseline")
         m = self._measure()
-        self.step("baseline", _brief(m))
+        self.log.step("baseline", _brief(m))
         return m
 
     def perf_gate(self, baseline: Measurement | None, opts: DeployOptions) -> None:
@@ -98,7 +110,7 @@ class TrafficPhases:
         a fail rolls the host back; a marginal verdict asks, or fails without --accept-marginal."""
         if not self.gate_enabled(opts):
             return
-        self.phase("perf gate")
+        self.log.phase("perf gate")
         pg = self.host.perf_gate
         peer: dict[str, Any] = {}
         t = None
@@ -119,19 +131,19 @@ class TrafficPhases:
             record["reasons"].append(f"the peer could not be measured: {peer['error']}")
         self.perf_result = record
         summary = verdict.summary() if verdict else record["reasons"][0]
-        self.step("perf gate", summary)
+        self.log.step("perf gate", summary)
         if verdict is None or verdict.verdict is Verdict.PASS:
             return
         if verdict.verdict is Verdict.FAIL:
-            raise self.failure("perf gate", summary)
+            raise StepFailed("perf gate", summary)
         if opts.marginal == "accept":
-            self.step("perf gate", "marginal, accepted (--accept-marginal)")
+            self.log.step("perf gate", "marginal, accepted (--accept-marginal)")
             return
         if opts.marginal == "ask" and opts.ask is not None and opts.ask(
                 f"{self.host.name}: the performance gate is marginal: {summary}. Accept and go on?"):
-            self.step("perf gate", "marginal, accepted by the operator")
+            self.log.step("perf gate", "marginal, accepted by the operator")
             return
-        raise self.failure("perf gate", f"{summary}; a marginal verdict fails without a terminal to ask on "
+        raise StepFailed("perf gate", f"{summary}; a marginal verdict fails without a terminal to ask on "
                                         f"(pass --accept-marginal to accept it)")
 
 

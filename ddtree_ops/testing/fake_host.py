@@ -1,30 +1,36 @@
 """A fake host for the fast test tier: the runbook runs against it in milliseconds.
 
-It offers what a `HostSession` offers (`store`, `services`, `http()`, `sleep`, `reconnect`):
+`FakeHost.session()` is the real `HostSession` over a `FakeLink`, the fake end of the one seam
+(host.session.HostLink); so the real `ReleaseStore` and the real `Services` run on it:
 
-* the release store is the REAL remote agent (`ddtree_ops.host.agent`), called in-process
-  instead of over SSH, with every host path mapped into a private folder standing for the host's
-  root. Backups, atomic installs, restores, the lock and the journal therefore behave exactly as
-  on a host; only `verify_unit` is answered here (no systemd-analyze run).
-* units and the server are in memory: `restart` starts a new process (a new MainPID) that loads
-  for `load_polls` probes and then serves, or crashes, or never becomes ready, as `boot` decides
-  from the files installed (by default: a module containing FAKE_CRASH crashes the server while
-  loading, FAKE_HANG keeps it warming up forever, as a real module that raises at import would).
+* agent requests are answered by the REAL remote agent (`ddtree_ops.host.agent`), called
+  in-process instead of over SSH, with every host path mapped into a private folder standing for
+  the host's root. Backups, atomic installs, restores, the lock and the journal therefore behave
+  exactly as on a host; only `verify_unit`, `proc_info` and `launch_check` are answered here.
+* the programs the agent's `run` op runs (systemctl, journalctl, nvidia-smi) are answered from
+  the units in memory, in their real output formats (fake_systemd.py): `restart` starts a new
+  process (a new MainPID) that loads for `load_polls` probes and then serves, or crashes, or
+  never becomes ready, as `boot` decides from the files installed (by default: a module
+  containing FAKE_CRASH crashes the server while loading, FAKE_HANG keeps it warming up forever,
+  as a real module that raises at import would).
 * HTTP to the server goes through an httpx.MockTransport: no listener while no unit runs,
   503 while loading, then 200; `/generate` answers text; `/server_info` the accept length.
+* sleeping lets time pass for the loading servers instead (`tick`).
 
-Faults are injected by name: `fail_next["install"] = "disk full"` makes the next agent `install`
-fail as the host would report it; `fail_next["systemctl restart"]`, `drop_connection_at` likewise;
+Faults are injected by name: `fail_next["agent install"] = "disk full"` makes the next `install`
+fail as the host would report it; `fail_next["systemctl restart UNIT"]`, `drop_connection_at` likewise;
 `fault_at_call = ("fail"|"drop"|"kill", k)` hits the k-th call whatever it is ("kill": the
 controller dies there, see ControllerKilled).
-`events` records every call in order, so a test reads the runbook's steps back.
+`events` records every call in order, so a test reads the runbook's steps back (agent requests
+as "agent OP", unit actions as their systemctl command line, reads as "systemctl states",
+"systemctl show MainPID", "probe UNIT" and "nvidia-smi").
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,13 +38,12 @@ import httpx
 
 from ..config.inventory import Host, parse_inventory
 from ..errors import RemoteCommandError, UnreachableError
-from ..gates.health import http_client
-from ..gates.router import SmgRouter
 from ..host.agent import Agent
-from ..host.gpus import GpuApp, of_our_units
-from ..host.release_store import ReleaseStore, answer_result
-from ..host.services import UnitProbe, UnitState
-from .fake_router import FakeSmg
+from ..host.channel import answer_result
+from ..host.gpus import GpuApp
+from ..host.hooks import NO_HOOKS, Hooks
+from ..host.session import HostSession
+from .fake_systemd import answer_run, event_name
 
 FAKE_CRASH = b"FAKE_CRASH"  # a shipped module with this marker kills the server while it loads
 FAKE_HANG = b"FAKE_HANG"  # ... keeps it warming up (503) forever
@@ -104,7 +109,6 @@ class FakeHost:
         # Per unit: its /generate answers 500 after this many calls (a server that goes bad later).
         self.generate_fails_after: dict[str, int] = {}
         self.generations: dict[str, int] = {}
-        self.smg: FakeSmg | None = None  # the router in front of the host (with a `router:` inventory)
         # GPU memory holders as nvidia-smi lists them (None: no nvidia-smi); a stopped unit's
         # process leaves the list after `gpu_linger` more looks (a worker still exiting).
         self.gpu_apps: list[GpuApp] | None = None
@@ -125,7 +129,7 @@ class FakeHost:
         for u in self.host.conflicts:  # the DFlash unit serves, enabled
             self.write(f"/etc/systemd/system/{u}", b"[Service]\nExecStart=/bin/true\n")
             self.units[u] = FakeUnit(enabled="enabled")
-            self._start(u)
+            self.start(u)
             self._finish_loading(u)
 
     def path(self, host_path: str) -> Path:
@@ -151,8 +155,11 @@ class FakeHost:
                     out["/" + str(p.relative_to(self.root))] = p.read_bytes()
         return out
 
-    def session(self) -> FakeSession:
-        return FakeSession(self)
+    def session(self, hooks: Hooks = NO_HOOKS) -> HostSession:
+        """A new connection of a controller to this host: the real session over a `FakeLink`."""
+        session = HostSession(self.host, FakeLink(self), hooks)
+        session.store.lock_grace_s = 0.2  # in-process agents end at once; no need to wait for one
+        return session
 
     # -- faults ----------------------------------------------------------------------------------
     def _call(self, name: str) -> None:
@@ -198,7 +205,7 @@ class FakeHost:
         return "/" + os.path.relpath(local, self.root)
 
     # -- units -----------------------------------------------------------------------------------
-    def _start(self, unit: str) -> None:
+    def start(self, unit: str) -> None:
         u = self.units.setdefault(unit, FakeUnit())
         if u.pid:
             self.ended_pids.add(u.pid)
@@ -206,6 +213,15 @@ class FakeHost:
         u.active, u.pid, u.ready = "active", self._next_pid, False
         u.loading_polls = self.load_polls
         u.fate = self.boot(self, unit)
+
+    def stop(self, unit: str) -> None:
+        u = self.units.setdefault(unit, FakeUnit())
+        if u.pid:
+            self.ended_pids.add(u.pid)
+        u.active, u.pid, u.ready = "inactive", None, False
+
+    def set_enabled(self, unit: str, enabled: bool) -> None:
+        self.units.setdefault(unit, FakeUnit()).enabled = "enabled" if enabled else "disabled"
 
     def _finish_loading(self, unit: str) -> None:
         u = self.units[unit]
@@ -279,148 +295,56 @@ def _map_paths(req: dict[str, Any], f: Callable[[str], str]) -> dict[str, Any]:
     return out
 
 
-class FakeConnection:
-    """One controller's connection to the fake host, with the agent process it runs there.
+class FakeLink:
+    """One controller's connection to the fake host (host.session.HostLink): the agent process it
+    runs there, HTTP to the host's server, and time that passes without sleeping.
 
     A dropped connection ends that process (its lock with it, as on a host) and every later call
-    fails until `reconnect`; `kill()` is the controller dying (SIGKILL: nothing more is said)."""
+    fails until `reconnect`; a ControllerKilled fault is the controller dying (SIGKILL: nothing
+    more is said)."""
 
     def __init__(self, fake: FakeHost):
         self.fake = fake
         self.proc: Agent | None = None
         self.down: str | None = None
 
-    def point(self, name: str) -> None:
+    def _point(self, name: str) -> None:
         if self.down:
             raise UnreachableError(f"{self.fake.host.name}: {self.down}")
         try:
             self.fake._call(name)
         except UnreachableError as e:
-            self.kill(f"connection lost ({e})")
+            self._kill(f"connection lost ({e})")
             raise
         except ControllerKilled:
-            self.kill()
+            self._kill("the controller was killed")
             raise
 
     def call(self, request: dict[str, Any], timeout: float) -> dict[str, Any]:
-        self.point(f"agent {request['op']}")
+        op = request["op"]
+        self._point(event_name(request) if op == "run" else f"agent {op}")
         if self.proc is None:
             self.proc = Agent()
+        if op == "run":
+            return answer_run(self.fake, request)
         return self.fake.agent(request, self.proc)
 
-    def kill(self, why: str = "the controller was killed") -> None:
-        if self.proc is not None:
-            self.proc.exit()
-        self.proc, self.down = None, why
-
-    def reset(self) -> None:
-        self.kill("reconnecting")
-        self.down = None
-
-    close = kill
-
-
-class FakeServices:
-    """`Services` over the fake host's units (same methods, same answers as systemctl's)."""
-
-    def __init__(self, fake: FakeHost, conn: FakeConnection):
-        self.fake, self.conn = fake, conn
-
-    def states(self, units) -> dict[str, UnitState]:
-        self.conn.point("systemctl states")
-        out = {}
-        for name in units:
-            u = self.fake.units.get(name)
-            out[name] = UnitState(name, u.active, u.enabled, u.pid) if u else UnitState(name, "inactive", "disabled",
-                                                                                         None)
-        return out
-
-    def state(self, unit: str) -> UnitState:
-        return self.states((unit,))[unit]
-
-    def main_pid(self, unit: str) -> int | None:
-        self.conn.point("systemctl show MainPID")
-        u = self.fake.units.get(unit)
-        return u.pid if u else None
-
-    def probe(self, unit: str, lines: int = 30) -> UnitProbe:
-        self.conn.point(f"probe {unit}")
-        self.fake.tick()
-        u = self.fake.units.get(unit) or FakeUnit()
-        log = [f"{unit}: pid {u.pid} {'ready' if u.ready else 'loading' if u.active == 'active' else u.active}"]
-        return UnitProbe(u.active, u.pid, log)
-
-    def gpu_apps(self) -> list[GpuApp] | None:
-        self.conn.point("nvidia-smi")
-        f = self.fake
-        if f.gpu_apps is None:
-            return None
-        for a in list(f.gpu_apps):
-            if not of_our_units(a.pid, f.procs.get(a.pid, {}).get("ancestors", []), f.ended_pids):
-                continue  # its server still runs, or it is nobody's (a stranger): it stays
-            left = f.gpu_linger.get(a.pid, 0)
-            if left <= 0:
-                f.gpu_apps.remove(a)
-            else:
-                f.gpu_linger[a.pid] = left - 1
-        return list(f.gpu_apps)
-
-    def daemon_reload(self) -> None:
-        self.conn.point("systemctl daemon-reload")
-
-    def stop(self, unit: str) -> None:
-        self.conn.point(f"systemctl stop {unit}")
-        u = self.fake.units.setdefault(unit, FakeUnit())
-        if u.pid:
-            self.fake.ended_pids.add(u.pid)
-        u.active, u.pid, u.ready = "inactive", None, False
-
-    def restart(self, unit: str) -> None:
-        self.conn.point(f"systemctl restart {unit}")
-        self.fake._start(unit)
-
-    def enable(self, unit: str) -> None:
-        self.conn.point(f"systemctl enable {unit}")
-        self.fake.units.setdefault(unit, FakeUnit()).enabled = "enabled"
-
-    def disable(self, unit: str) -> None:
-        self.conn.point(f"systemctl disable {unit}")
-        self.fake.units.setdefault(unit, FakeUnit()).enabled = "disabled"
-
-
-@dataclass
-class FakeSession:
-    """What `HostSession` offers, over a FakeHost."""
-
-    fake: FakeHost
-    host: Host = field(init=False)
-    store: ReleaseStore = field(init=False)
-    services: FakeServices = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.host = self.fake.host
-        self.conn = FakeConnection(self.fake)
-        self.store = ReleaseStore(self.conn, self.host)
-        self.store.lock_grace_s = 0.2  # in-process agents end at once; no need to wait for one
-        self.services = FakeServices(self.fake, self.conn)
-
-    def http(self) -> httpx.Client:
-        return http_client(self.host, transport=httpx.MockTransport(self.fake.handle_http))
+    def http_transport(self) -> httpx.BaseTransport:
+        return httpx.MockTransport(self.fake.handle_http)
 
     def sleep(self, seconds: float) -> None:
         self.fake.tick()
 
-    def router(self) -> SmgRouter | None:
-        """The fake smg (`fake.smg`) when the host's inventory has a router; waits cost nothing."""
-        if self.host.router is None or self.fake.smg is None:
-            return None
-        return SmgRouter(self.host.router, transport=self.fake.smg.transport(), sleep=lambda s: self.fake.tick())
-
     def reconnect(self) -> None:
         self.fake.reconnects += 1
         self.fake.events.append("reconnect")
-        self.conn.reset()
-        self.store.relock()
+        self._kill("reconnecting")
+        self.down = None
 
     def close(self) -> None:
-        self.conn.close()
+        self._kill("the connection was closed")
+
+    def _kill(self, why: str) -> None:
+        if self.proc is not None:
+            self.proc.exit()
+        self.proc, self.down = None, why

@@ -1,17 +1,20 @@
 """An in-memory smg control plane for the fast tier: what `router.SmgRouter` talks to, as smg
 1.13.0 answers (see router.py's docstring), behind an httpx.MockTransport. A removed worker
 drains for `drain_looks` more lists before it is gone; an added one is ready at once unless
-`unhealthy` names it. `events` records every change, in order, for the runbook's tests."""
+`unhealthy` names it. `events` records every change, in order, for the runbook's tests.
+`client()` is the real router client talking to it: the router is its own client, handed to the
+runbook beside the host's session, never part of it."""
 
 from __future__ import annotations
 
 import json
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 
-from ddtree_ops.gates.router import normalize_url
+from ..config.router_settings import RouterSettings, normalize_url
+from ..gates.router import SmgRouter
 
 
 class FakeSmg:
@@ -79,3 +82,7 @@ class FakeSmg:
 
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self.handle)
+
+    def client(self, settings: RouterSettings, *, sleep: Callable[[float], None] = lambda s: None) -> SmgRouter:
+        """`sleep`: what a wait between two looks at the router does (a fake host's `tick`)."""
+        return SmgRouter(settings, self.transport(), sleep=sleep)

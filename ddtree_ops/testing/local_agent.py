@@ -16,7 +16,7 @@ import sys
 from types import SimpleNamespace
 from typing import Any, Sequence
 
-from ..host.release_store import AgentChannel
+from ..host.channel import AgentChannel
 
 
 class PipeChannel:

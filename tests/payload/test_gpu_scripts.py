@@ -1,4 +1,4 @@
-"""CPU tests of the two GPU scripts (issue item 6): bench/gpu_kernels.py and
+"""CPU tests of the two GPU scripts: bench/gpu_kernels.py and
 bench/gpu_server_check.py.
 
 * gpu_kernels.py runs end to end in ``--cpu-smoke`` mode in a subprocess: the

@@ -1,4 +1,4 @@
-"""No side effects outside DDTREE (issue item 3), and DDTREE's sizes as formulas.
+"""No side effects outside DDTREE, and DDTREE's sizes as formulas.
 
 Every size SGLang 0.5.23 derives from the speculative settings is computed twice, in
 .venv-sglang: pristine (no overlay) and with the patch set's overlay, for no

@@ -7,7 +7,7 @@ Run by the unit's ExecStart with the SGLang venv's interpreter::
         --speculative-ddtree-budget 16 --speculative-ddtree-topk-cap 4 [other SGLang flags]
 
 It follows the start-up contract of ``sglang.launch_server`` 0.5.23 (see
-shared/reference/sglang-0.5.23.md; ``timeline.run``):
+``sglang/srt/entrypoints/http_server.py`` upstream; ``timeline.run``):
 
 1. "loading": ``Load weight begin`` is logged, the port stays closed, every
    ``sglang/srt/speculative/ddtree*.py`` found beside the installed ``sglang`` package is

@@ -1,0 +1,170 @@
+"""The deploy lock: an flock on <state_dir>/deploy.lock, held by the agent process for as long as
+it lives, so a controller that is killed, closed or cut off frees it by itself (its channel
+closes, the agent reads EOF and exits, the kernel drops the flock). The file says who holds it,
+since when, doing what, and counts generations (a re-take after a reconnect must find its own)."""
+
+import errno
+import fcntl
+import json
+import os
+import shutil
+import signal
+import time
+
+from .files import read_json
+from .procs import proc_start
+from .protocol import Lock, LockReply, Unlock, UnlockReply
+from .statedir import ensure_state_dir
+
+LOCK_FILE = "deploy.lock"
+
+
+def _read_holder(fd):
+    try:
+        data = os.pread(fd, 1 << 16, 0)
+        doc = json.loads(data.decode()) if data.strip() else {}
+        return doc if isinstance(doc, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _legacy_holder(state):
+    """A lock directory left by an earlier ddtree-ops (mkdir lock): its holder, or None."""
+    if os.path.isdir(os.path.join(state, "lock")):
+        return read_json(os.path.join(state, "lock", "holder.json")) or {"holder": "unknown (old lock directory)"}
+    return None
+
+
+def lock_facts(state):
+    """Who holds the lock, seen from outside: `held` is decided by flock, not by the file."""
+    path = os.path.join(state, LOCK_FILE)
+    legacy = _legacy_holder(state)
+    if legacy is not None:
+        return dict(legacy, held=True, legacy=True)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return None  # free (the file keeps the last holder, for the generation count)
+        except OSError:
+            return dict(_read_holder(fd), held=True)
+    finally:
+        os.close(fd)
+
+
+class LockState:
+    """The deploy lock as this process holds it: an open file description with an flock."""
+
+    def __init__(self):
+        self.fd = None
+        self.holder = None
+
+    def release(self):
+        if self.fd is not None:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_UN)
+            finally:
+                os.close(self.fd)
+        self.fd, self.holder = None, None
+
+
+def op_lock(req: Lock, lock):
+    """Take the deploy lock for this process's lifetime. `break` (the holder's token, as shown
+    to the operator) ends a holder that is still connected: its agent process is sent SIGTERM
+    (which frees its flock), and the lock is taken only if nobody else took it meanwhile, so two
+    breakers with the same token cannot both win."""
+    state = req.state_dir
+    ensure_state_dir(state)
+    if lock.fd is not None:
+        return LockReply(True, lock.holder)
+    breaking = req.break_token
+    legacy = _legacy_holder(state)
+    if legacy is not None:
+        if not breaking or legacy.get("token") != breaking:
+            return LockReply(False, dict(legacy, held=True, legacy=True))
+        shutil.rmtree(os.path.join(state, "lock"), ignore_errors=True)
+    fd = os.open(os.path.join(state, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        # A run that just ended (or was killed) frees the lock when its agent has read EOF and
+        # exited: a moment's grace, so that the next run does not trip over it.
+        if _try_flock(fd, wait_s=float(req.wait_s)):
+            seen = _read_holder(fd)
+        else:
+            seen = _read_holder(fd)
+            if not breaking or seen.get("token") != breaking:
+                os.close(fd)
+                return LockReply(False, dict(seen, held=True))
+            _end_holder(seen)
+            taken = lambda: _read_holder(fd).get("generation") != seen.get("generation")  # noqa: E731
+            if not _try_flock(fd, wait_s=float(req.break_wait_s), give_up=taken):
+                now = _read_holder(fd)
+                os.close(fd)
+                return LockReply(False, dict(now, held=True), break_failed=True)
+            if _read_holder(fd).get("generation") != seen.get("generation"):
+                # Someone else held it between our SIGTERM and our flock: not ours to take.
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                now = _read_holder(fd)
+                os.close(fd)
+                return LockReply(False, dict(now, held=False), break_failed=True)
+        resume = req.resume_generation
+        if resume is not None and seen.get("generation") != resume:
+            # Re-taking the lock after a lost connection: another run held it meanwhile (and may
+            # have repaired or deployed), so what this run knew about the host is stale.
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+            return LockReply(False, dict(seen, held=False), taken_meanwhile=True)
+        holder = dict(req.holder, generation=int(seen.get("generation") or 0) + 1, agent_pid=os.getpid(),
+                      agent_start=proc_start(os.getpid()), broke=breaking or None)
+        data = (json.dumps(holder, sort_keys=True) + "\n").encode()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, data, 0)
+        os.fsync(fd)
+    except BaseException:
+        if lock.fd != fd:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        raise
+    lock.fd, lock.holder = fd, holder
+    return LockReply(True, holder)
+
+
+def _try_flock(fd, wait_s=0.0, give_up=lambda: False):
+    deadline = time.time() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise
+        if time.time() >= deadline or give_up():
+            return False
+        time.sleep(0.05)
+
+
+def _end_holder(holder):
+    """SIGTERM the holder's agent process, if it is still the same process."""
+    pid = holder.get("agent_pid")
+    if isinstance(pid, int) and pid > 1 and pid != os.getpid() and proc_start(pid) == holder.get("agent_start"):
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except OSError:
+            pass
+
+
+def op_unlock(req: Unlock, lock):
+    if lock.fd is None or (lock.holder or {}).get("token") != req.token:
+        return UnlockReply(False, lock.holder)
+    done = dict(lock.holder, released_at=time.time())
+    data = (json.dumps(done, sort_keys=True) + "\n").encode()
+    os.ftruncate(lock.fd, 0)
+    os.pwrite(lock.fd, data, 0)
+    lock.release()
+    return UnlockReply(True)
+
+

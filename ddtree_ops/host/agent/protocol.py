@@ -1,0 +1,344 @@
+"""The agent's protocol: one dataclass per request the controller sends, and per reply it reads.
+
+Both ends share it. The controller builds its requests from these classes, so a misspelt op or
+field fails where it is written (an import or attribute error that ruff and the tests see), not
+as a KeyError on the host; the agent decodes every request into its class before running it, and
+refuses a field it does not know. On the wire a request is one JSON object, `{"op": OP, field:
+value, ...}`, exactly as the fake host and the fault hooks read it; a field marked `optional` is
+left out while it holds its default, and `wire` names a field whose JSON name is a Python keyword.
+
+Stdlib only, and Python 3.8 syntax at run time (`typing.List`, not `list[...]`): this module is
+joined into the agent's source and run by the host's own interpreter.
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+
+class ProtocolError(ValueError):
+    """A document that is not the request or reply it claims to be."""
+
+
+def opt(default: Any = None, *, factory: Any = None, wire: Optional[str] = None) -> Any:
+    """A field left off the wire while it holds its default (as today's requests leave it off)."""
+    meta = {"optional": True, "wire": wire}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def message_list(cls: type) -> Any:
+    """A list of nested messages (install's files, backup's paths): dicts on the wire."""
+    return field(metadata={"items": cls})
+
+
+def _wire_name(f: "dataclasses.Field") -> str:
+    return f.metadata.get("wire") or f.name
+
+
+def _default(f: "dataclasses.Field") -> Any:
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return f.default
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, Message):
+        return value.to_wire()
+    if isinstance(value, list):
+        return [_encode(v) for v in value]
+    return value
+
+
+class Message:
+    """A request or reply: a dataclass that goes over the wire as a JSON object."""
+
+    def to_wire(self) -> Dict[str, Any]:
+        doc = {}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if f.metadata.get("optional") and value == _default(f):
+                continue
+            doc[_wire_name(f)] = _encode(value)
+        return doc
+
+    @classmethod
+    def from_wire(cls, doc: Any) -> Any:
+        if not isinstance(doc, dict):
+            raise ProtocolError("%s: expected a JSON object, got %s" % (cls.__name__, type(doc).__name__))
+        by_wire = {_wire_name(f): f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(set(doc) - set(by_wire) - {"op"})
+        if unknown:
+            raise ProtocolError("%s: unknown field(s) %s" % (cls.__name__, ", ".join(unknown)))
+        kwargs = {}
+        for name, f in by_wire.items():
+            if name in doc:
+                nested = f.metadata.get("items")
+                kwargs[f.name] = [nested.from_wire(v) for v in doc[name]] if nested else doc[name]
+        try:
+            return cls(**kwargs)
+        except TypeError as e:  # a required field is missing
+            raise ProtocolError("%s: %s" % (cls.__name__, e)) from None
+
+
+class Request(Message):
+    OP = ""  # the op name on the wire (a class attribute, not a field)
+
+    def to_wire(self) -> Dict[str, Any]:
+        doc = {"op": self.OP}
+        doc.update(super().to_wire())
+        return doc
+
+
+# ------------------------------------------------------------------------------------- requests
+
+@dataclass
+class Hello(Request):
+    OP = "hello"
+    idle_timeout: Optional[float] = opt()
+
+
+@dataclass
+class Facts(Request):
+    """File facts, the unit, the release store's current release, journal and lock, free space.
+    `secret_paths` get mode and owner only: nothing derived from a secret leaves the host."""
+
+    OP = "facts"
+    state_dir: str
+    site_packages: str
+    unit_path: str
+    paths: List[str] = field(default_factory=list)
+    secret_paths: List[str] = field(default_factory=list)
+
+
+@dataclass
+class Lock(Request):
+    OP = "lock"
+    state_dir: str
+    holder: Dict[str, Any]
+    wait_s: float = opt(0.0)  # grace for a holder that is just ending
+    break_token: Optional[str] = opt(wire="break")  # the holder's token the operator chose to end
+    break_wait_s: float = opt(15.0)
+    resume_generation: Optional[int] = opt()  # re-taking after a reconnect: the generation held
+
+
+@dataclass
+class Unlock(Request):
+    OP = "unlock"
+    state_dir: str
+    token: str
+
+
+@dataclass
+class Journal(Request):
+    OP = "journal"
+    state_dir: str
+    journal: Optional[Dict[str, Any]] = opt()
+    clear: bool = opt(False)
+
+
+@dataclass
+class Compile(Request):
+    """Compile new modules with the host's own Python: path → base64 source."""
+
+    OP = "compile"
+    files: Dict[str, str]
+
+
+@dataclass
+class VerifyUnit(Request):
+    """`argv` runs systemd-analyze verify; `@PATH@` stands for the unit written to a temp folder."""
+
+    OP = "verify_unit"
+    unit_name: str
+    text: str
+    argv: List[str]
+
+
+@dataclass
+class BackupPath(Message):
+    path: str
+    kind: str = "file"
+
+
+@dataclass
+class Backup(Request):
+    OP = "backup"
+    state_dir: str
+    release_id: str
+    paths: List[BackupPath] = message_list(BackupPath)
+
+
+@dataclass
+class InstallFile(Message):
+    path: str
+    content_b64: str
+    sha256: str
+    mode: int = 0o644
+
+
+@dataclass
+class Install(Request):
+    OP = "install"
+    state_dir: str
+    files: List[InstallFile] = message_list(InstallFile)
+    test_pause: Optional[Dict[str, Any]] = opt()  # a test hook: pause after `after` files
+
+
+@dataclass
+class Restore(Request):
+    OP = "restore"
+    state_dir: str
+    backup_dir: str
+
+
+@dataclass
+class VerifyBackup(Request):
+    OP = "verify_backup"
+    state_dir: str
+    backup_dir: str
+
+
+@dataclass
+class RemovePartial(Request):
+    OP = "remove_partial"
+    state_dir: str
+    release_id: str
+
+
+@dataclass
+class ReleaseWrite(Request):
+    OP = "release_write"
+    state_dir: str
+    release_id: str
+    fields: Dict[str, Any]
+
+
+@dataclass
+class SetCurrent(Request):
+    OP = "set_current"
+    state_dir: str
+    release_id: Optional[str]  # None: no current release
+
+
+@dataclass
+class History(Request):
+    OP = "history"
+    state_dir: str
+
+
+@dataclass
+class Prune(Request):
+    OP = "prune"
+    state_dir: str
+    keep: int
+
+
+@dataclass
+class Run(Request):
+    """One systemctl/journalctl/nvidia-smi argv, or several in one round trip (`argvs`). The
+    values of secret-named keys in `scrub_files` are blanked out of what comes back."""
+
+    OP = "run"
+    argv: Optional[List[str]] = opt()
+    argvs: Optional[List[List[str]]] = opt()
+    timeout: float = 300.0
+    scrub_files: List[str] = opt(factory=list)
+    secret_words: List[str] = opt(factory=list)
+
+
+@dataclass
+class LaunchCheck(Request):
+    OP = "launch_check"
+    python: str
+    module: str
+    args: List[str]
+    ports: List[int]
+    sglang: bool = False
+    scrub_files: List[str] = field(default_factory=list)
+    secret_words: List[str] = field(default_factory=list)
+    timeout: float = opt(180.0)
+
+
+@dataclass
+class ProcInfo(Request):
+    OP = "proc_info"
+    pids: List[int]
+
+
+REQUESTS = {cls.OP: cls for cls in (
+    Hello, Facts, Lock, Unlock, Journal, Compile, VerifyUnit, Backup, Install, Restore, VerifyBackup,
+    RemovePartial, ReleaseWrite, SetCurrent, History, Prune, Run, LaunchCheck, ProcInfo)}
+
+
+def decode_request(doc: Any) -> Request:
+    """A wire request → its dataclass; ProtocolError for an unknown op or field."""
+    op = doc.get("op") if isinstance(doc, dict) else None
+    if op not in REQUESTS:
+        raise ProtocolError("unknown op %r" % (op,))
+    return REQUESTS[op].from_wire(doc)
+
+
+# ------------------------------------------------------------------------------------- replies
+
+@dataclass
+class HelloReply(Message):
+    pid: int
+    python: str
+
+
+@dataclass
+class LockReply(Message):
+    acquired: bool
+    holder: Optional[Dict[str, Any]]
+    break_failed: bool = opt(False)  # --break-lock: the lock changed hands or its holder did not end
+    taken_meanwhile: bool = opt(False)  # re-taking: another run held it while the connection was down
+
+
+@dataclass
+class UnlockReply(Message):
+    released: bool
+    holder: Optional[Dict[str, Any]] = opt()
+
+
+@dataclass
+class CompileReply(Message):
+    errors: List[str]
+
+
+@dataclass
+class VerifyUnitReply(Message):
+    available: bool  # False: the host has no systemd-analyze
+    returncode: Optional[int] = opt()
+    stdout: str = opt("")
+    stderr: str = opt("")
+
+
+@dataclass
+class RestoreReply(Message):
+    restored: List[Dict[str, Any]]
+    refused: bool  # the backup failed its check: nothing was restored
+    problems: List[str]
+
+
+@dataclass
+class VerifyBackupReply(Message):
+    problems: List[str]
+
+
+@dataclass
+class RemovePartialReply(Message):
+    backup_complete: bool
+
+
+@dataclass
+class RunResult(Message):
+    rc: int
+    stdout: str
+    stderr: str
+
+
+@dataclass
+class RunReply(Message):
+    results: List[RunResult] = message_list(RunResult)

@@ -1,0 +1,98 @@
+"""The agent's modules joined into the one source a host runs: it runs alone in a fresh
+`python -I -S` (no package, no site), answers requests, and a package that could not run that way
+(a third-party import, a name defined twice, a missing name, a cycle) is refused before it is sent."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddtree_ops.host import agent
+from ddtree_ops.host.agent import BOOTSTRAP
+from ddtree_ops.host.agent_source import JoinError, agent_source, join_package, read_modules
+
+AGENT_DIR = Path(agent.__file__).parent
+
+
+def run_alone(source: str, requests: list[dict], tmp_path: Path) -> tuple[list[dict], str]:
+    """`source` as a host runs it: a fresh isolated interpreter fed the BOOTSTRAP framing, from a
+    folder with nothing importable in it; its answers, one per request, and its stderr."""
+    data = b"%010d" % len(source.encode()) + source.encode()
+    data += b"".join(json.dumps(r).encode() + b"\n" for r in requests)
+    r = subprocess.run([sys.executable, "-I", "-S", "-c", BOOTSTRAP], input=data, capture_output=True,
+                       cwd=tmp_path, timeout=60)
+    return [json.loads(line) for line in r.stdout.splitlines() if line.strip()], r.stderr.decode()
+
+
+def test_the_joined_source_runs_alone_and_answers(tmp_path):
+    state = tmp_path / "state"
+    answers, err = run_alone(agent_source(), [
+        {"op": "hello"},
+        {"op": "lock", "state_dir": str(state), "holder": {"token": "t1"}},
+        {"op": "history", "state_dir": str(state)},
+    ], tmp_path)
+    assert [a["ok"] for a in answers] == [True, True, True], err
+    assert answers[1]["result"]["acquired"] and answers[1]["result"]["holder"]["generation"] == 1
+    assert answers[2]["result"] == {"releases": [], "current": None, "original": False}
+
+
+def test_the_package_source_unjoined_does_not_run_alone(tmp_path):
+    """Control for the test above: the dispatch module as it is in the package (its relative
+    imports still in) cannot run on a host; only the joined source can."""
+    answers, err = run_alone((AGENT_DIR / "serve.py").read_text(), [{"op": "hello"}], tmp_path)
+    assert answers == [] and "ImportError" in err
+
+
+def test_modules_come_after_the_modules_they_import():
+    source = agent_source()
+    order = re.findall(r"^# -{40} (\w+)\.py$", source, re.M)
+    modules = read_modules(AGENT_DIR)
+    assert order[-1] == "serve" and sorted(order) == sorted(modules)
+    for name in order:
+        for dep in re.findall(r"^from \.(\w+) import", modules[name].source, re.M):
+            assert order.index(dep) < order.index(name), (dep, name)
+    assert not re.search(r"^from \.", source, re.M)  # every relative import taken out
+
+
+def _package(tmp_path: Path, **modules: str) -> Path:
+    folder = tmp_path / "pkg"
+    folder.mkdir()
+    (folder / "__init__.py").write_text("")
+    base = {"util": "import os\n\n\ndef here():\n    return os.getcwd()\n",
+            "serve": "from .util import here\n\n\ndef serve():\n    return here()\n"}
+    for name, text in {**base, **modules}.items():
+        (folder / f"{name}.py").write_text(text)
+    return folder
+
+
+def test_a_small_package_joins(tmp_path):
+    """Control for the refusals below: the same package, without the fault, joins and runs."""
+    source = join_package(_package(tmp_path))
+    namespace: dict = {"__name__": "ddtree_agent"}
+    exec(compile(source, "ddtree_agent", "exec"), namespace)
+    assert namespace["serve"]() == str(Path.cwd())
+
+
+@pytest.mark.parametrize("modules,why", [
+    ({"util": "import httpx\n\n\ndef here():\n    return httpx\n"}, "'httpx', which is not in the standard library"),
+    ({"util": "def here():\n    from yaml import safe_load\n    return safe_load\n"}, "'yaml'"),
+    ({"other": "def here():\n    return 1\n"}, "'here' is bound in other.py and again in util.py"),
+    ({"other": "import json as os\n"}, "'os' is bound in other.py and again in util.py"),
+    ({"serve": "from .util import there\n\n\ndef serve():\n    return there()\n"}, ".util defines no there"),
+    ({"serve": "from .nowhere import here\n\n\ndef serve():\n    return here()\n"}, "not an agent module"),
+    ({"serve": "from . import util\n\n\ndef serve():\n    return util.here()\n"}, "only `from .module import name`"),
+    ({"serve": "from .util import here as h\n\n\ndef serve():\n    return h()\n"}, "`as` and `*`"),
+    ({"serve": "def serve():\n    from .util import here\n    return here()\n"}, "inside a function"),
+    ({"util": "from .serve import serve\n\n\ndef here():\n    return 1\n"}, "import cycle: serve -> util -> serve"),
+    ({"util": "from __future__ import annotations\n\n\ndef here():\n    return 1\n"}, "`from __future__`"),
+    ({"util": "def here(x):\n    match x:\n        case _:\n            return 1\n"}, "not Python 3.8 syntax"),
+])
+def test_a_package_that_could_not_run_on_a_host_is_refused(tmp_path, modules, why):
+    with pytest.raises(JoinError) as e:
+        join_package(_package(tmp_path, **modules))
+    assert why in str(e.value)

@@ -1,0 +1,103 @@
+"""The controller-scale bench (bench/bench_controller_scale.py) at a tiny size: it measures real
+work (more hosts cost more CPU, the sampler sees the worker threads), it refuses a rollout that
+did not deploy every host, and its report carries every size with spread and growth."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddtree_ops.testing.fake_host import FAKE_CRASH
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_controller_scale.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("bench_controller_scale", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_controller_scale"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return _load()
+
+
+@pytest.fixture(scope="module")
+def measured(bench, tmp_path_factory):
+    """2 and 6 fake hosts, canary 1 then batches of half: 2 hosts run one at a time, 6 in threes."""
+    plan = bench.Plan(canary=1, batch="50%", forks=10)
+    return {n: bench.measure_size(n, plan, tmp_path_factory.mktemp(f"scale{n}")) for n in (2, 6)}
+
+
+def test_more_hosts_cost_more_controller_cpu_and_every_host_is_counted(measured):
+    small, big = measured[2], measured[6]
+    for run in (small, big):
+        assert run.deploy.outcomes == {"deployed": run.hosts}
+        assert run.rollback.outcomes == {"rolled_back": run.hosts}
+        assert 0 < run.deploy.agent_cpu_s < run.deploy.cpu_s  # the in-process agent is measured apart
+        assert run.maxrss_kib >= run.rss_before_kib > 0
+    # Warm-up (first imports, first compiles) falls on the 2-host run, against this inequality.
+    assert big.deploy.cpu_s > small.deploy.cpu_s
+    assert big.rollback.cpu_s > small.rollback.cpu_s
+
+
+def test_the_sampler_sees_the_parallel_workers(measured):
+    assert measured[2].largest_batch == 1 and measured[6].largest_batch == 3
+    assert measured[2].peaks.py_threads >= 2  # main + one worker
+    assert measured[6].peaks.py_threads > measured[2].peaks.py_threads
+
+
+def test_a_release_that_crashes_the_canary_is_no_measurement(bench, tmp_path):
+    with pytest.raises(bench.BenchFailed, match="deployed"):
+        bench.measure_size(3, bench.Plan(), tmp_path, marker=FAKE_CRASH)
+
+
+def _run(hosts: int, cpu_per_host: float) -> dict:
+    side = {"wall_s": 0.01 * hosts, "cpu_s": cpu_per_host * hosts / 2, "agent_cpu_s": 0.0, "sleep_wall_s": 0.0,
+            "controller_cpu_s": cpu_per_host * hosts / 2}
+    return {"hosts": hosts, "batches": 2, "largest_batch": hosts - 1, "deploy": side, "rollback": side,
+            "peaks": {"py_threads": 2, "os_threads": 2, "fds": 5, "rss_kib": 70_000},
+            "rss_before_kib": 60_000, "maxrss_kib": 70_000}
+
+
+def test_growth_is_one_for_linear_cost_and_above_one_for_superlinear(bench):
+    linear = bench.summarize([_run(4, 0.02), _run(16, 0.02), _run(4, 0.03), _run(16, 0.03)])
+    assert linear["sizes"] == [4, 16]
+    assert linear["growth"]["4->16"]["cpu_s_per_host"] == pytest.approx(1.0)
+    spread = linear["per_size"]["4"]["cpu_s_per_host"]
+    assert (spread["min"], spread["max"]) == pytest.approx((0.02, 0.03))
+    worse = bench.summarize([_run(4, 0.02), _run(16, 0.08)])
+    assert worse["growth"]["4->16"]["cpu_s_per_host"] == pytest.approx(4.0)
+
+
+def test_the_report_has_a_row_per_size_and_the_measured_run_fits_it(bench, measured):
+    runs = [r.to_dict() for r in measured.values()]
+    doc = {"summary": bench.summarize(runs), "plan": {"canary": 1, "batch": "50%", "forks": 10}, "when": "now",
+           "command": "test", "repeats": 1, "machine": {"cpus": 2, "loadavg_before": [0], "loadavg_after": [0]}}
+    md = bench.render_md(doc)
+    rows = [line for line in md.splitlines() if line.startswith("| 2 |") or line.startswith("| 6 |")]
+    assert len(rows) == 2 and "| 2->6 |" in md
+
+
+def test_the_limits_follow_from_the_real_ssh_numbers_and_say_when_they_are_missing(bench):
+    summary = bench.summarize([_run(4, 0.02), _run(16, 0.02)])
+    real = {"deploy_peak_threads": 3, "deploy_peak_fds": 5, "deploy_cpu_s": 0.9, "startup_cpu_s": 0.4,
+            "deploy_wall_s": 5.0}
+    text = " ".join(bench.derive_limits(summary, bench.Plan(), real))
+    assert "F ≈ 510" in text and "F ≥ 10" in text  # (1024 - 3) / 2 fds; 5 s / 0.5 CPU s
+    more_fds = " ".join(bench.derive_limits(summary, bench.Plan(), {**real, "deploy_peak_fds": 7}))
+    assert "F ≈ 255" in more_fds
+    assert "not measured" in " ".join(bench.derive_limits(summary, bench.Plan(), None))
+
+
+def test_the_verdict_says_worse_than_linear_only_beyond_the_runs_spread(bench):
+    noisy_linear = bench.summarize([_run(4, 0.02), _run(16, 0.021), _run(4, 0.022), _run(16, 0.023)])
+    assert "linear or better" in bench.growth_verdict(noisy_linear)
+    superlinear = bench.summarize([_run(4, 0.02), _run(16, 0.04)])
+    assert "WORSE than linear" in bench.growth_verdict(superlinear)

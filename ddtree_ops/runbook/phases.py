@@ -15,15 +15,15 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..artifacts.patchset import PatchSet
-from ..artifacts.units import render_unit, verify_command, verify_problems, verify_unit
+from ..artifacts.units import render_unit
 from ..config.redaction import SECRET_NAME_WORDS
 from ..config.schema import is_valid_unit_name
-from ..errors import CorruptJournal, InputError, RemoteCommandError, RollbackFailed, UnreachableError
+from ..errors import CorruptJournal, RemoteCommandError, RollbackFailed, UnreachableError
 from ..gates.health import HealthFailure, drain, health_gate, soak, wait_until_serving
 from ..gates.router import SmgRouter
 from ..gates.startup import PhaseTracker, Transition
 from ..host.agent.protocol import BackupPath, InstallFile, LaunchCheck
-from ..host.gpus import GpuApp, describe, foreign_apps
+from ..host.gpus import GpuApp
 from ..host.journal import journal_problem
 from ..host.release_store import LockHolder, b64, new_release_id
 from ..host.services import UnitState
@@ -31,7 +31,8 @@ from ..host.session import HostSession
 from .events import EventSink, quiet
 from .launch_check import launch_line, parse_problems, port_problems, ports_to_check
 from .options import DeployOptions
-from .plan import HostPlan, compute_plan, read_host, target_path
+from .plan import HostPlan, compute_plan, read_host
+from .preflight import compile_problems, gpu_problems, unit_problems
 from .steps import StepFailed, StepLog
 from .traffic import Traffic
 
@@ -145,24 +146,12 @@ class Runbook:
         facts = read_host(self.session, ps)
         self._states_read = facts["unit_states"]
         plan = compute_plan(self.host, ps, facts, render_unit(self.host, opts.templates_dir), force=opts.force)
-        gpu = self._gpu_problems()
-        refusals = [*plan.refusals, *self._compile_problems(ps), *self._unit_problems(plan.unit_new),
-                    *([] if opts.force else gpu), *self.traffic.router_problems()]
+        gpu = gpu_problems(self.services, self.store, self.host, self._our_main_pids())
+        self._gpu_strangers = set(gpu.strangers)
+        refusals = [*plan.refusals, *compile_problems(self.store, self.host, ps),
+                    *unit_problems(self.store, self.host, plan.unit_new), *([] if opts.force else gpu.refusals),
+                    *self.traffic.router_problems()]
         return dataclasses.replace(plan, refusals=tuple(refusals))
-
-    def _gpu_problems(self) -> list[str]:
-        """GPU memory held by something that is not one of our units: the new server would not
-        fit after the old one stops."""
-        apps = self.services.gpu_apps()
-        if not apps:
-            return []
-        procs = self.store.proc_info([a.pid for a in apps])
-        units = ", ".join((self.host.unit, *self.host.conflicts))
-        foreign = foreign_apps(apps, procs, self._our_main_pids())
-        # With --force these stay, and the wait after the stop does not wait for them.
-        self._gpu_strangers = {a.pid for a in foreign}
-        return [f"GPU memory: {describe(a, procs)}, and it is not a process of {units}: the new server could run "
-                f"out of GPU memory. Stop it, or pass --force" for a in foreign]
 
     def _our_main_pids(self) -> set[int]:
         """Main PIDs of the units this run manages, as preflight read them (nothing changed since)."""
@@ -192,25 +181,6 @@ class Runbook:
                                    f"server stopped: {held}")
         if first:
             self.step(step, f"waited {time.monotonic() - t0:.1f} s for {first} process(es) to free GPU memory")
-
-    def _compile_problems(self, ps: PatchSet) -> list[str]:
-        pyfiles = {target_path(self.host, pf.path): b64(pf.source.read_bytes()) for pf in ps.python_files()}
-        if not pyfiles:
-            return []
-        errors = self.store.compile(pyfiles)
-        return [f"does not compile with {self.host.python}: {e}" for e in errors]
-
-    def _unit_problems(self, text: str) -> list[str]:
-        h = self.host
-        res = self.store.verify_unit(h.unit, text, verify_command("@PATH@/" + h.unit, h.unit)[:-1] + ["@PATH@"])
-        if res.available:
-            problems = verify_problems(res.returncode, res.stdout, res.stderr, h.unit)
-            return [f"unit {h.unit} fails systemd-analyze verify on the host: {p}" for p in problems]
-        try:  # the host has no systemd-analyze: check here, without the host's executables
-            verify_unit(text, h.unit, check_executables=False)
-        except InputError as e:
-            return [f"unit {h.unit} fails systemd-analyze verify (locally): {e}"]
-        return []
 
     # -- the release -----------------------------------------------------------------------------
     def services_before(self) -> dict[str, UnitState]:

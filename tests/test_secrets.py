@@ -249,7 +249,7 @@ def test_health_progress_lines_are_scrubbed(monkeypatch):
              "Load weight begin " + "x" * 150 + f" api_key='{KEY}'"]
     seen: list[str] = []
     session = SimpleNamespace(
-        host=h, sleep=lambda s: None,
+        host=h, sleep=lambda s: None, monotonic=lambda: 0.0,
         services=SimpleNamespace(probe=lambda unit, lines_=30: UnitProbe("active", 7, list(lines))),
         http=lambda: httpx.Client(base_url="http://x", transport=httpx.MockTransport(
             lambda req: httpx.Response(503 if len(seen) < 2 else 200))))

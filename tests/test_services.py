@@ -130,3 +130,21 @@ def test_every_unit_action_is_one_systemctl_run_request_to_the_agent(method, arg
 
     getattr(Services(Recording(), "h"), method)(*args)
     assert [(r["op"], r["argv"]) for r in sent] == [("run", argv)]
+
+
+def test_deadlines_are_read_on_the_seams_clock_not_the_wall_clock(fake, versioned_patchset):
+    """A server that never becomes ready fails its 30 s weight-loading deadline at 30 s of the
+    link's clock: the fake's sleeps advance it, so the test waits for nothing, and the clock the
+    runbook read is the one the seam offers."""
+    import time
+
+    from ddtree_ops.errors import DeployFailed
+    from ddtree_ops.testing.fake_host import FAKE_HANG
+
+    ps = versioned_patchset(marker=b"\n# " + FAKE_HANG + b"\n")
+    t0 = time.monotonic()
+    with pytest.raises(DeployFailed) as ei:
+        deploy_host(fake.session(), ps, DeployOptions(reconnect_s=5, deadline_s=30))
+    assert "not ready after 30 s" in ei.value.result.message
+    assert fake.clock >= 30  # the deadline passed on the link's clock ...
+    assert time.monotonic() - t0 < 10  # ... while the wall clock barely moved

@@ -10,7 +10,6 @@ poll and the wait stops at once when the process is gone or replaced (a `Restart
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -36,6 +35,8 @@ class ServerAccess(Protocol):
     def http(self) -> httpx.Client: ...
 
     def sleep(self, seconds: float) -> None: ...
+
+    def monotonic(self) -> float: ...
 
 # Start-up milestones worth showing on the progress line, in the order they appear.
 _MILESTONES = ("Load weight begin", "Load weight end", "Memory pool end", "CUDA graph begin", "CUDA graph end",
@@ -89,10 +90,10 @@ def wait_until_serving(session: ServerAccess, unit: str, *, expected_pid: int | 
     deadline_s = deadline_s or host.health.load_deadline_s
     tracker = phases or PhaseTracker()
     limits = phase_deadlines(host.health)
-    start = time.monotonic()
+    start = session.monotonic()
     with session.http() as client:
         while True:
-            elapsed = time.monotonic() - start
+            elapsed = session.monotonic() - start
             p = session.services.probe(unit)
             if p.active not in ("active", "activating", "reloading"):
                 raise HealthFailure(f"{unit} is {p.active} after {elapsed:.1f} s (the server exited while starting)",
@@ -239,10 +240,10 @@ def drain(session: ServerAccess, timeout_s: float) -> DrainResult:
     Without a router in front nothing stops new requests from arriving: this only lets the ones
     in flight finish before the stop, and says how many were cut."""
     host = session.host
-    t0 = time.monotonic()
+    t0 = session.monotonic()
     with session.http() as client:
         first = now = in_flight(client, timeout=min(5.0, host.health.request_timeout_s))
-        while now and time.monotonic() - t0 < timeout_s:
+        while now and session.monotonic() - t0 < timeout_s:
             session.sleep(min(host.health.poll_interval_s, 1.0))
             now = in_flight(client, timeout=min(5.0, host.health.request_timeout_s))
-    return DrainResult(time.monotonic() - t0, first, now)
+    return DrainResult(session.monotonic() - t0, first, now)

@@ -39,6 +39,9 @@ class HostLink(Protocol):
     def sleep(self, seconds: float) -> None:
         """Let time pass between two polls of the host."""
 
+    def monotonic(self) -> float:
+        """The clock the deadlines of those polls are read on (seconds; only differences count)."""
+
     def reconnect(self) -> None:
         """A fresh connection in place of a lost one, and a new agent on the next call (the old
         one's lock died with it)."""
@@ -63,6 +66,9 @@ class SshLink:
     def sleep(self, seconds: float) -> None:
         time.sleep(seconds)
 
+    def monotonic(self) -> float:
+        return time.monotonic()
+
     def reconnect(self) -> None:
         """Same host-key checks as the first connection."""
         self.agent.reset()
@@ -84,6 +90,9 @@ class HostSession:
 
     def sleep(self, seconds: float) -> None:
         self.link.sleep(seconds)
+
+    def monotonic(self) -> float:
+        return self.link.monotonic()
 
     def reconnect(self) -> None:
         """A fresh connection and agent, and the operation's lock taken again (LockHeldError if

@@ -160,7 +160,7 @@ class Runbook:
     def wait_gpus_free(self, step: str = "gpus free") -> None:
         """After the old server stopped: wait (at most `health.gpu_free_timeout_s`) until no
         process holds GPU memory; StepFailed naming the holders when that does not happen."""
-        t0 = time.monotonic()
+        t0 = self.session.monotonic()
 
         def holders() -> list[GpuApp] | None:
             apps = self.services.gpu_apps()
@@ -172,7 +172,7 @@ class Runbook:
         if apps:
             self.phase("gpus free")
         first = len(apps)
-        while apps and time.monotonic() - t0 < self.host.health.gpu_free_timeout_s:
+        while apps and self.session.monotonic() - t0 < self.host.health.gpu_free_timeout_s:
             self.session.sleep(min(self.host.health.poll_interval_s, 1.0))
             apps = holders() or []
         if apps:
@@ -180,7 +180,8 @@ class Runbook:
             raise StepFailed(step, f"GPU memory still held {self.host.health.gpu_free_timeout_s:g} s after the old "
                                    f"server stopped: {held}")
         if first:
-            self.step(step, f"waited {time.monotonic() - t0:.1f} s for {first} process(es) to free GPU memory")
+            waited = self.session.monotonic() - t0
+            self.step(step, f"waited {waited:.1f} s for {first} process(es) to free GPU memory")
 
     # -- the release -----------------------------------------------------------------------------
     def services_before(self) -> dict[str, UnitState]:
@@ -346,14 +347,14 @@ class Runbook:
         if hs.min_healthy_s <= 0 or not self.health_checked:
             return
         self.phase("soak")
-        t0 = time.monotonic()
+        t0 = self.session.monotonic()
         try:
             n = soak(self.session, self.host.unit, release.pid)
         except HealthFailure as e:
             raise StepFailed("soak", str(e), e.log) from None
         except (RemoteCommandError, UnreachableError) as e:
             raise StepFailed("soak", str(e)) from None
-        self.step("soak", f"healthy for {time.monotonic() - t0:.1f} s ({n} generations, min_healthy_s "
+        self.step("soak", f"healthy for {self.session.monotonic() - t0:.1f} s ({n} generations, min_healthy_s "
                           f"{hs.min_healthy_s:g})")
 
     def check_running(self, release: Release, step: str = "node check") -> None:
@@ -429,12 +430,12 @@ class Runbook:
     def reconnecting(self, window_s: float, fn: Callable[[], Any], what: str = "carry on") -> Any:
         """Run `fn` (idempotent), reconnecting and running it again while the connection is lost,
         for up to `window_s` seconds. A reconnect takes the operation's lock again."""
-        deadline = time.monotonic() + window_s
+        deadline = self.session.monotonic() + window_s
         while True:
             try:
                 return fn()
             except UnreachableError as e:
-                if time.monotonic() >= deadline:
+                if self.session.monotonic() >= deadline:
                     raise
                 self.log.note(f"connection lost ({e}); reconnecting to {what}")
             while True:
@@ -443,7 +444,7 @@ class Runbook:
                     self.session.reconnect()
                     break
                 except UnreachableError as e:
-                    if time.monotonic() >= deadline:
+                    if self.session.monotonic() >= deadline:
                         raise UnreachableError(f"{e} (kept retrying for {window_s:g} s)") from None
 
     def begin_rollback(self, undo: list[str], to: str | None, to_original: bool, oldest: dict[str, Any],

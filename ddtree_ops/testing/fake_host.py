@@ -100,6 +100,7 @@ class FakeHost:
         # Fail the k-th remote call (1-based) of whatever runs next: ("fail"|"drop"|"kill", k).
         self.fault_at_call: tuple[str, int] | None = None
         self.calls = 0
+        self.clock = 0.0  # the fake link's clock: a sleep advances it, nothing waits
         self.reconnects = 0
         self.accept_lengths: dict[str, float] = {}  # per unit; 3.5 when not set
         self.launch_refusal: str | None = None  # what the server's parser says about the launch line
@@ -333,7 +334,11 @@ class FakeLink:
         return httpx.MockTransport(self.fake.handle_http)
 
     def sleep(self, seconds: float) -> None:
+        self.fake.clock += seconds
         self.fake.tick()
+
+    def monotonic(self) -> float:
+        return self.fake.clock
 
     def reconnect(self) -> None:
         self.fake.reconnects += 1

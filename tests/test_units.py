@@ -389,3 +389,16 @@ def test_a_template_cannot_call_into_python(tmp_path, body):
     with pytest.raises(InputError, match="refused: the template reaches outside"):
         render_unit(host, tmp_path)
     assert not Path("/tmp/ddtree-ops-pwned").exists()
+
+
+def test_a_template_changed_on_disk_is_rendered_anew_though_its_folder_is_cached(ct200, tmp_path):
+    import os
+
+    tpl = tmp_path / "mine.service.j2"
+    tpl.write_text("budget={{ budget }}\n")
+    host = replace(ct200, template="mine.service.j2")
+    assert render_unit(host, templates_dir=tmp_path) == f"budget={ct200.budget}\n"
+    tpl.write_text("topk={{ topk_cap }}\n")
+    st = tpl.stat()
+    os.utime(tpl, ns=(st.st_atime_ns, st.st_mtime_ns + 2_000_000_000))  # a later write, whatever the clock's grain
+    assert render_unit(host, templates_dir=tmp_path) == f"topk={ct200.topk_cap}\n"

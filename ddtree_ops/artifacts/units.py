@@ -19,6 +19,7 @@ remote check and the local one agree on what counts as an error.
 from __future__ import annotations
 
 import difflib
+import functools
 import re
 import shlex
 import shutil
@@ -120,9 +121,12 @@ def _check_host(host: Host) -> None:
             fail(f.name, "must not contain control characters (newline, tab, ...)")
 
 
+@functools.lru_cache(maxsize=16)
 def _jinja_env(templates_dir: Path) -> jinja2.Environment:
-    # Sandboxed: a template may come from a bundle someone else built, and rendering runs on the
-    # operator's machine (also under `plan`); it may read the host's values, never call into Python.
+    # One per folder, kept: a fleet's hosts share it and each template is compiled once (Jinja
+    # reloads one whose file changed). Sandboxed: a template may come from a bundle someone else
+    # built, and rendering runs on the operator's machine (also under `plan`); it may read the
+    # host's values, never call into Python.
     env = ImmutableSandboxedEnvironment(
         loader=jinja2.FileSystemLoader(str(templates_dir)),
         undefined=jinja2.StrictUndefined,

@@ -42,7 +42,9 @@ def test_more_hosts_cost_more_controller_cpu_and_every_host_is_counted(measured)
         assert run.deploy.outcomes == {"deployed": run.hosts}
         assert run.rollback.outcomes == {"rolled_back": run.hosts}
         assert 0 < run.deploy.agent_cpu_s < run.deploy.cpu_s  # the in-process agent is measured apart
-        assert run.maxrss_kib >= run.rss_before_kib > 0
+        # The per-host memory is read from the sampled VmRSS; ru_maxrss is the kernel's high-water
+        # mark, updated lazily, so inside this long-lived test process it may read below VmRSS.
+        assert run.peaks.rss_kib >= run.rss_before_kib > 0 and run.maxrss_kib > 0
     # Warm-up (first imports, first compiles) falls on the 1-host run, against this inequality.
     assert big.deploy.cpu_s > small.deploy.cpu_s
     assert big.rollback.cpu_s > small.rollback.cpu_s

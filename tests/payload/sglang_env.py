@@ -25,6 +25,20 @@ VENV = pathlib.Path(os.environ.get("DDTREE_SGLANG_VENV", REPO / ".venv-sglang"))
 PY = VENV / "bin" / "python"
 
 
+
+def ancestors_or_self(parents: list[int]) -> list[set[int]]:
+    """Every tree node's ancestors-or-self from its parent pointers (a padding node, parent -1:
+    itself only). Plain Python, so the code a test runs in .venv-sglang can carry it too:
+    `inspect.getsource(ancestors_or_self)`."""
+    out = []
+    for i in range(len(parents)):
+        seen, j = set(), i
+        while j >= 0 and j not in seen:
+            seen.add(j)
+            j = parents[j] if j > 0 else -1
+        out.append(seen)
+    return out
+
 def need_venv() -> None:
     if not PY.exists():
         msg = f"{VENV} absent: run scripts/setup-sglang-venv"

@@ -15,7 +15,7 @@ import pytest
 
 from ddtree_ops.artifacts import units
 from ddtree_ops.config.inventory import load_inventory
-from sglang_env import REPO, run_sglang
+from sglang_env import REPO, ancestors_or_self, run_sglang
 
 pytestmark = pytest.mark.sglang
 
@@ -165,17 +165,6 @@ OUT["tree"] = [vi.max_tree_depth, vi.tree_topk, vi.topk, vi.spec_input_type.name
 """
 
 
-def _ancestors_or_self(parents: list[int]) -> list[set[int]]:
-    out = []
-    for i in range(len(parents)):
-        seen, j = set(), i
-        while j >= 0 and j not in seen:
-            seen.add(j)
-            j = parents[j] if j > 0 else -1
-        out.append(seen)
-    return out
-
-
 def test_verify_input_attention_args_match_an_independent_construction(sglang_overlay, tmp_path):
     out = run_sglang(ATTN_ARGS, tmp_path, sglang_overlay, triton_interpret=True)
     prefix, rpi, W = [5, 2, 9], [2, 0, 3], 9
@@ -192,7 +181,7 @@ def test_verify_input_attention_args_match_an_independent_construction(sglang_ov
     # ancestors-or-self (padding nodes see the prefix and themselves)
     want_mask = []
     for b, p in enumerate(prefix):
-        anc = _ancestors_or_self(out["parents"][b])
+        anc = ancestors_or_self(out["parents"][b])
         for i in range(W):
             want_mask += [1] * p + [1 if j in anc[i] else 0 for j in range(W)]
     assert out["mask"][: len(want_mask)] == want_mask

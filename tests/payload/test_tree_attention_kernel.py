@@ -41,11 +41,12 @@ script checks bf16), a real CUDA graph, the GPU's block sizes (H200: 32 x 64 for
 
 from __future__ import annotations
 
+import inspect
 import time
 
 import pytest
 
-from sglang_env import REPO, run_sglang
+from sglang_env import REPO, ancestors_or_self, run_sglang
 
 pytestmark = pytest.mark.sglang
 
@@ -202,17 +203,6 @@ def trees(env, prefix, chains=()):
     return plan
 
 
-def ancestors(parents):
-    out = []
-    for i in range(len(parents)):
-        seen, j = set(), i
-        while j >= 0 and j not in seen:
-            seen.add(j)
-            j = parents[j] if j > 0 else -1
-        out.append(seen)
-    return out
-
-
 def reference(env, q, k_ext, v_ext, prefix, rpi, parents, chain=False, extra=None):
     """float64 dense attention: node i of request b sees the request's whole
     prefix (through req_to_token) and its ancestors-or-self in the tree
@@ -226,7 +216,7 @@ def reference(env, q, k_ext, v_ext, prefix, rpi, parents, chain=False, extra=Non
         slots = env.rtt[r, :p].long()
         allowed = torch.zeros(W, p + W, dtype=torch.bool)
         allowed[:, :p] = True
-        for i, anc in enumerate(ancestors(parents[b])):
+        for i, anc in enumerate(ancestors_or_self(parents[b])):
             cols = range(i + 1) if chain else sorted(anc)
             allowed[i, [p + j for j in cols]] = True
         if extra is not None and extra[0] == b:
@@ -335,7 +325,7 @@ def wrong_bit(env, step):
     the true reference at that row only."""
     W, par = env.W, step.plan.tree.parents.tolist()
     for b in sorted(range(len(par)), key=lambda b: int(step.prefix[b])):
-        anc = ancestors(par[b])
+        anc = ancestors_or_self(par[b])
         pairs = [(i, j) for i in range(W - 1, 0, -1) if par[b][i] >= 0 for j in range(i) if j not in anc[i]]
         if pairs:
             i, j = pairs[0]
@@ -524,7 +514,8 @@ OUT["wall_s"] = round(time.monotonic() - T0, 2)
 @pytest.fixture(scope="module")
 def result(sglang_overlay, tmp_path_factory):
     t0 = time.monotonic()
-    code = "GPU_KERNELS = %r\n" % str(REPO / "bench" / "gpu_kernels.py") + CODE
+    code = ("GPU_KERNELS = %r\n" % str(REPO / "bench" / "gpu_kernels.py") + inspect.getsource(ancestors_or_self)
+            + CODE)
     out = run_sglang(code, tmp_path_factory.mktemp("tree_attn"), sglang_overlay, triton_interpret=True, timeout=600)
     out["subprocess_wall_s"] = round(time.monotonic() - t0, 1)
     print(f"tree attention kernel subprocess: {out['subprocess_wall_s']} s")

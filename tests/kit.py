@@ -30,6 +30,17 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def modules_loaded_by(code: str, *prefixes: str) -> list[str]:
+    """The modules named by `prefixes` (or inside them) that one fresh interpreter has loaded after
+    running `code`, sorted: what an import really pulls in."""
+    probe = (f"import json, sys\n{code}\nprint(json.dumps(sorted(m for m in sys.modules "
+             f"if any(m == p or m.startswith(p + '.') for p in {list(prefixes)!r}))))")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONDONTWRITEBYTECODE": "1"}
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
 def _require_sandbox() -> None:
     from ddtree_ops.testing.sandbox import missing_prerequisites
 

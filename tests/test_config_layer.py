@@ -3,22 +3,10 @@ neither httpx nor any gate, and the gates use the very settings types config bui
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from kit import modules_loaded_by
 
-# What one fresh interpreter imported after running `code`: httpx and the gates only.
-PROBE = """
-import json, sys
-{code}
-print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] == "httpx" or m.startswith("ddtree_ops.gates"))))
-"""
 READ_INVENTORY = """
 from ddtree_ops.config.inventory import parse_inventory
 base = {"address": "10.0.0.5", "python": "/opt/venv/bin/python", "site_packages": "/opt/venv/lib/site-packages",
@@ -31,11 +19,8 @@ assert host.perf_gate.workload.concurrency == 2
 
 
 def imported_by(code: str) -> list[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONDONTWRITEBYTECODE": "1"}
-    out = subprocess.run([sys.executable, "-c", PROBE.format(code=code)], capture_output=True, text=True,
-                         env=env, cwd=ROOT, timeout=60)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
+    """httpx and the gates, as loaded by a fresh interpreter after `code`."""
+    return modules_loaded_by(code, "httpx", "ddtree_ops.gates")
 
 
 def test_reading_an_inventory_with_router_and_perf_gate_imports_no_http_and_no_gate():

@@ -110,6 +110,12 @@ class CorruptJournal(RollbackFailed):
     """The host's journal cannot be read or is not one this tool wrote: nothing is guessed."""
 
 
+class LeaseLost(RollbackFailed):
+    """This run's lease on a host's deploy lock ran out (the controller was stopped or cut off for
+    longer than lock_lease_s): the host went its own way (it rolls itself back when the run had
+    changed it), so this run stops without touching it again."""
+
+
 class Interrupted(DdtreeOpsError):
     """The operator pressed Ctrl-C; the host was rolled back."""
 

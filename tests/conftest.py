@@ -24,6 +24,12 @@ from kit import *  # noqa: E402,F403
 RIG_FIXTURES = {"sandbox", "sglang_overlay", "fake_sglang"}
 
 
+def pytest_configure(config):
+    # .ci/run runs these once more with SIGINT ignored, as a background job starts the suite.
+    config.addinivalue_line("markers", "interrupts: interrupts the tool or the test with a signal; "
+                                       "must pass whatever signal dispositions the test run inherited")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if RIG_FIXTURES & set(getattr(item, "fixturenames", ())) or item.get_closest_marker("sglang"):

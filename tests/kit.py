@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -60,7 +61,9 @@ def sandbox(tmp_path_factory):
 
     sb = Sandbox(tmp_path_factory.mktemp("sandbox"))
     try:
-        sb.up(SANDBOX_HOSTS, load_seconds=0.3)
+        # The hosts see the tests' temp folders: the tool's test hooks on a host write their
+        # pause markers there.
+        sb.up(SANDBOX_HOSTS, load_seconds=0.3, shared=(str(tmp_path_factory.getbasetemp()),))
         yield sb
     finally:
         sb.down()
@@ -226,6 +229,35 @@ def cli():
     return run_cli
 
 
+# ---------------------------------------------------------------------------------------------
+# signal dispositions: a test that interrupts the tool sets them itself. A process started with
+# SIGINT ignored (a shell's `cmd &`, nohup, many CI wrappers) hands SIG_IGN to every child across
+# exec, and Python then installs no KeyboardInterrupt handler: a test relying on what it inherited
+# passes in a terminal and fails in the background.
+
+INTERRUPT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def default_dispositions() -> None:
+    """`preexec_fn` of a child a test will interrupt: SIGINT, SIGTERM and SIGHUP at their
+    defaults in the child, whatever this process inherited (the tool then handles them as an
+    operator's shell would have it: cli/signals.py)."""
+    for s in INTERRUPT_SIGNALS:
+        signal.signal(s, signal.SIG_DFL)
+
+
+@pytest.fixture
+def sigint_raises():
+    """For an in-process test that interrupts its own main thread: SIGINT raises KeyboardInterrupt
+    during the test (as in an interactive Python), whatever the test process inherited; the
+    inherited handler comes back afterwards."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 def snapshot_paths(th: TestHost, rels: list[str]) -> list[str]:
     h = th.host
     return [f"{h.site_packages}/{r}" for r in rels] + [h.unit_path] + [f"/etc/systemd/system/{u}" for u in h.conflicts]
@@ -279,7 +311,7 @@ def _clean(sandbox, name: str) -> TestHost:
     th = TestHost(name, sandbox, Path(sandbox.inventory_path))
     sbh = next(x for x in sandbox.hosts() if x.name == name)
     ok = False
-    if name in _PRISTINE and pid_alive(sbh.sshd_pid):
+    if name in _PRISTINE and pid_alive(sbh.container_pid):
         try:
             ok = (host_tree(th) == _PRISTINE[name] and _units_as_before(th)
                   and httpx.get(th.host.base_url + "/health", timeout=3).status_code == 200)
@@ -331,7 +363,8 @@ def in_parallel(scenarios: dict[str, "Callable[[], object]"]) -> dict[str, objec
 
 
 class CliProcess:
-    """`ddtree-ops ARGS` running in the background (own session), output in files."""
+    """`ddtree-ops ARGS` running in the background (own session), output in files; SIGINT, SIGTERM
+    and SIGHUP at their defaults when it starts (`default_dispositions`), as tests signal it."""
 
     def __init__(self, args: tuple[str, ...], workdir: Path, env: dict | None = None):
         self.out_path = workdir / f"cli-{os.getpid()}-{id(self)}.out"
@@ -339,7 +372,7 @@ class CliProcess:
         with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
             self.proc = subprocess.Popen([sys.executable, "-m", cli_module(env), *args], stdout=out, stderr=err,
                                          stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})},
-                                         start_new_session=True)
+                                         start_new_session=True, preexec_fn=default_dispositions)
 
     @property
     def pid(self) -> int:

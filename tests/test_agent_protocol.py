@@ -37,7 +37,7 @@ class Recorder:
 @pytest.fixture
 def host():
     """What the store reads of a host, with values that are easy to spot on the wire."""
-    return SimpleNamespace(name="h1", state_dir=STATE, site_packages="SP", unit_path="UP")
+    return SimpleNamespace(name="h1", state_dir=STATE, site_packages="SP", unit_path="UP", lock_lease_s=30.0)
 
 
 RUN_OK = {"rc": 0, "stdout": "", "stderr": ""}
@@ -125,7 +125,7 @@ def test_a_unit_action_and_a_probe_are_the_run_requests_the_hooks_name(host):
     rec = Recorder({"run": {"results": [RUN_OK, RUN_OK]}})
     Services(rec, host.name, ("/etc/secrets.yaml",)).probe("u.service", 5)
     [probe] = rec.sent
-    assert probe["argvs"][1] == ["journalctl", "-u", "u.service", "-n", "5", "--no-pager"]
+    assert probe["argvs"][1] == ["journalctl", "-u", "u.service", "-n", "18", "--no-pager"]
     assert probe["scrub_files"] == ["/etc/secrets.yaml"] and "KEY" in probe["secret_words"] and "argv" not in probe
 
 
@@ -141,7 +141,7 @@ def test_every_request_class_has_an_op_on_the_agent():
 
 
 def _unhandled(ops) -> set[type]:
-    by_the_process = {p.Hello, p.Lock, p.Unlock}  # the agent's own: its idle timeout and its lock
+    by_the_process = {p.Hello, p.Renew, p.Lock, p.Unlock}  # the agent's own: its lease and its lock
     return set(p.REQUESTS.values()) - set(ops) - by_the_process
 
 

@@ -37,6 +37,7 @@ from ddtree_ops.cli.commands import app
 from ddtree_ops.errors import BundleError, InputError
 from ddtree_ops.testing.fake_host import fake_inventory
 from fast_kit import PROBE_REL, write_patchset
+from kit import default_dispositions
 
 SSH_KEYGEN = shutil.which("ssh-keygen")
 needs_ssh_keygen = pytest.mark.skipif(SSH_KEYGEN is None, reason="needs OpenSSH's ssh-keygen")
@@ -670,8 +671,12 @@ def test_the_temp_folder_is_removed_after_use_and_on_ctrl_c(tmp_path, good, tmpd
     assert not list(tmpdir.iterdir())
 
 
-def test_ctrl_c_while_connecting_removes_the_temp_folder(tmp_path, good, tmpdir):
-    """The real tool in a subprocess: SIGINT while it waits for the host's SSH banner."""
+@pytest.mark.interrupts
+@pytest.mark.parametrize("sig, code, named", [(signal.SIGINT, 130, "Ctrl-C"), (signal.SIGTERM, 143, "SIGTERM"),
+                                              (signal.SIGHUP, 129, "SIGHUP")], ids=["SIGINT", "SIGTERM", "SIGHUP"])
+def test_ctrl_c_while_connecting_removes_the_temp_folder(tmp_path, good, tmpdir, sig, code, named):
+    """The real tool in a subprocess: SIGINT, SIGTERM or SIGHUP while it waits for the host's SSH
+    banner ends it as Ctrl-C does (128 + the signal's number, the signal named), temp folder gone."""
     lsock = socket.socket()
     lsock.bind(("127.0.0.1", 0))
     lsock.listen(8)  # accepts (backlog) and never speaks
@@ -679,19 +684,20 @@ def test_ctrl_c_while_connecting_removes_the_temp_folder(tmp_path, good, tmpdir)
         inv = write_inventory(tmp_path, lsock.getsockname()[1], connect_timeout=60)
         proc = subprocess.Popen([sys.executable, "-m", "ddtree_ops", "plan", "-i", str(inv), "--bundle",
                                  str(good.path)], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+                                stderr=subprocess.PIPE, text=True, preexec_fn=default_dispositions)
         try:
             line = proc.stderr.readline()
             assert "verified" in line, line
             assert list(tmpdir.iterdir())  # the extracted bundle, in use
             time.sleep(0.5)
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(sig)
             _, err = proc.communicate(timeout=30)
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        assert proc.returncode == 130 and "Traceback" not in err, err
+        assert proc.returncode == code and "Traceback" not in err, err
+        assert f"interrupted ({named})" in err, err
         assert not list(tmpdir.iterdir())
     finally:
         lsock.close()

@@ -137,10 +137,12 @@ def test_an_unknown_launch_flag_is_refused_before_the_old_server_stops(fresh_hos
 
 def test_a_long_generation_in_flight_completes_before_the_server_is_restarted(fresh_host, tmp_path, good_patchset):
     """No router: a redeploy (same unit, new budget) first waits until the server reports no
-    request in flight (/v1/loads), then restarts it; the 4 s generation is answered in full."""
+    request in flight (/v1/loads), then restarts it; the 8 s generation is answered in full (8 s:
+    the redeploy's preflight must reach the drain while it is in flight, on a loaded machine too;
+    under the health gate's 10 s request timeout, which the first deploy's warm-up must pass)."""
     import threading
 
-    th = fresh_host.with_vars(tmp_path, extra_args=fresh_host.base_extra_args() + ["--standin-generate-seconds", "4"])
+    th = fresh_host.with_vars(tmp_path, extra_args=fresh_host.base_extra_args() + ["--standin-generate-seconds", "8"])
     assert run_cli("deploy", "-i", str(th.inventory), "-l", th.name, "-p", str(good_patchset), "--yes").code == 0
     got: list = []
     body = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 4}}

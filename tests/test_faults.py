@@ -35,7 +35,6 @@ import httpx
 import paramiko
 import pytest
 
-from ddtree_ops.host.localproc import pid_alive
 from ddtree_ops.testing.pause_points import FAULT, PAUSE_AT, PAUSE_FILE
 from kit import _PRISTINE, DFLASH_INFO, host_tree, in_parallel, make_patchset, run_cli, upstream_file, wait_for
 
@@ -136,13 +135,23 @@ def wait_paused(proc, marker: Path, timeout: float = 120) -> int:
     return int(text.split()[0])
 
 
-def ctrl_c(proc, marker: Path) -> None:
-    """Ctrl-C at the pause point. The CLI's main thread turns SIGINT into a stop request that the
-    deploying worker honours at its next step boundary (then rolls back); so: signal, wait until
-    the tool has taken note, and only then let the paused deploy go on."""
-    proc.signal(signal.SIGINT)
+def agent_alive(th, pid: int, inside: bool = False) -> bool:
+    """Whether the host's process `pid` (a PID of the host's own namespace, as the agent writes
+    it in a pause marker) lives; over SSH, or with `inside` from the machine (sshd stopped)."""
+    argv = ["test", "-d", f"/proc/{pid}"]
+    if inside:
+        return th.sandbox.inside(th.name, argv, check=False).returncode == 0
+    return th.ssh(argv, check=False).exit_code == 0
+
+
+def interrupt(proc, marker: Path, sig: signal.Signals = signal.SIGINT) -> None:
+    """Ctrl-C (or SIGTERM, SIGHUP) at the pause point. The CLI's main thread turns the signal into
+    a stop request that the deploying worker honours at its next step boundary (then rolls back);
+    so: signal, wait until the tool has taken note, and only then let the paused deploy go on.
+    The tool started with the signals at their defaults (kit.CliProcess), whatever pytest inherited."""
+    proc.signal(sig)
     wait_for(lambda: "interrupted" in proc.stderr() or proc.proc.poll() is not None, 60,
-             what="the tool to take note of Ctrl-C")
+             what=f"the tool to take note of {sig.name}")
     marker.unlink(missing_ok=True)
 
 
@@ -210,7 +219,7 @@ def _killed_then_repaired(th, start_cli, tmp: Path, point: str, next_cmd: str, p
     killed_th = slow_load(th, tmp) if point == "wait-for-weights" else th
     marker = tmp / "pause"
     p = start_cli(*deploy_args(killed_th, ps), env=pause_env(point, marker))
-    paused_pid = wait_paused(p, marker)
+    wait_paused(p, marker)
     check_half_way(th, ps, point, prior)
     rid = journal(th)["release"]
 
@@ -218,8 +227,8 @@ def _killed_then_repaired(th, start_cli, tmp: Path, point: str, next_cmd: str, p
     assert p.wait(30).code == -signal.SIGKILL
     if point == "between-files":
         # The remote agent paused between the two replacements notices that its controller is
-        # gone and exits without touching the second file, as a cut connection leaves it.
-        wait_for(lambda: not pid_alive(paused_pid), 30, what="the orphaned remote agent to exit")
+        # gone, touches nothing more, and says so in the lock file: the next run takes over.
+        wait_for(lambda: lock_holder(th).get("orphaned_at"), 30, what="the orphaned agent to mark the lock")
         assert th.read(f"{th.host.site_packages}/{DFLASH_UTILS}") == old_bytes(DFLASH_UTILS, prior)
     marker.unlink(missing_ok=True)
 
@@ -336,10 +345,19 @@ def test_a_fault_during_a_rollback_keeps_the_journal_and_a_plain_rollback_finish
 
 
 # ---------------------------------------------------------------------------------------------
-# Ctrl-C at the same points: a clean rollback and exit 3
+# Ctrl-C, SIGTERM and SIGHUP at the same points: a clean rollback and exit 3
+
+SIGINT, SIGTERM, SIGHUP = signal.SIGINT, signal.SIGTERM, signal.SIGHUP
+NAMED = {SIGINT: "Ctrl-C", SIGTERM: "SIGTERM", SIGHUP: "SIGHUP"}  # as results and messages name them
+INTERRUPT_POINTS = ["after-backup", "between-files", "after-unit", "wait-for-weights"]
+# Which signal at which point: Ctrl-C at every point, and SIGTERM and SIGHUP spread over the same
+# points (one handler serves all three: cli/signals.py), each round one deploy per host.
+SIGNAL_AT = {"SIGINT": dict.fromkeys(INTERRUPT_POINTS, SIGINT),
+             "SIGTERM-SIGHUP": {"after-backup": SIGHUP, "between-files": SIGTERM, "after-unit": SIGHUP,
+                                "wait-for-weights": SIGTERM}}
 
 
-def _interrupted(th, start_cli, tmp: Path, point: str):
+def _interrupted(th, start_cli, tmp: Path, point: str, sig: signal.Signals = SIGINT):
     tmp.mkdir(parents=True, exist_ok=True)
     ps = three_files(tmp, "I")
     run_th = slow_load(th, tmp) if point == "wait-for-weights" else th
@@ -348,33 +366,151 @@ def _interrupted(th, start_cli, tmp: Path, point: str):
     paused_pid = wait_paused(p, marker)
     check_half_way(th, ps, point)
     rid = journal(th)["release"]
-    ctrl_c(p, marker)
+    interrupt(p, marker, sig)
     r = p.wait(180)
     assert r.code == 3, r.stderr
     res = host_result(r)
     assert res["outcome"] == "interrupted" and res["release"] == rid
-    assert res["failed_step"].startswith("interrupted (Ctrl-C) during "), res
-    if point == "between-files":
-        assert not pid_alive(paused_pid)
+    assert res["failed_step"].startswith(f"interrupted ({NAMED[sig]}) during "), res
+    if point == "between-files":  # the agent that paused ended with the operation
+        wait_for(lambda: not agent_alive(th, paused_pid), 30, what="the paused agent to exit")
     assert_pre_deploy(th)
     assert lock_free(th)
 
 
-def test_sigint_at_each_point_rolls_back_cleanly_and_exits_3(clean_hosts, start_cli, tmp_path):
-    points = ["after-backup", "between-files", "after-unit", "wait-for-weights"]
-    hosts = {pt: clean_hosts[i % len(clean_hosts)] for i, pt in enumerate(points)}
-    scenarios = {pt: (lambda pt=pt: _interrupted(hosts[pt], start_cli, tmp_path / pt, pt)) for pt in points}
-    if len(clean_hosts) >= len(points):
+@pytest.mark.interrupts
+@pytest.mark.parametrize("signals", SIGNAL_AT)
+def test_sigint_sigterm_or_sighup_at_each_point_rolls_back_cleanly_and_exits_3(clean_hosts, start_cli, tmp_path,
+                                                                               signals):
+    """Ctrl-C, SIGTERM (a cancelled CI job, `kill`) and SIGHUP (a closed terminal) after the
+    backup, between two file replacements, after the unit write and while the weights load: the
+    host is rolled back byte for byte, exit 3, the result names the signal."""
+    at = SIGNAL_AT[signals]
+    hosts = {pt: clean_hosts[i % len(clean_hosts)] for i, pt in enumerate(at)}
+    scenarios = {f"{at[pt].name} at {pt}": (lambda pt=pt: _interrupted(hosts[pt], start_cli, tmp_path / pt, pt,
+                                                                        at[pt])) for pt in at}
+    if len(clean_hosts) >= len(at):
         in_parallel(scenarios)
     else:
         for fn in scenarios.values():
             fn()
 
 
+def _signal_during_the_rollback(th, start_cli, tmp: Path, first: signal.Signals | None, then: signal.Signals):
+    """`first` at the pause after the backup (None: no pause; the deploy fails on its own, its
+    connection cut before the restart), then `then` while the rollback waits to reconnect: its
+    connection is cut before its first restore (the sync point: the tool says it reconnects, and
+    waits a second before it does). The rollback is not cut short."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    ps = three_files(tmp, "R")
+    marker = tmp / "pause"
+    env = {FAULT: "drop:restore:1"} if first else {FAULT: "drop:systemctl restart:1"}
+    if first:
+        env.update(pause_env("after-backup", marker))
+    p = start_cli(*deploy_args(th, ps), env=env)
+    if first:
+        wait_paused(p, marker)
+        interrupt(p, marker, first)
+    wait_for(lambda: "reconnecting to roll back" in p.stderr() or p.proc.poll() is not None, 120,
+             what="the rollback to lose its connection")
+    p.signal(then)
+    r = p.wait(180)
+    assert r.code == 3, r.stderr
+    res = host_result(r)
+    noted = f"interrupted again ({NAMED[then]})" if first else f"interrupted ({NAMED[then]})"
+    # Taken note of while the rollback ran, and the rollback went on to its end.
+    assert noted in r.stderr and r.stderr.index(noted) < r.stderr.index(f"[{th.name}] rolled back"), r.stderr
+    if first:
+        assert res["outcome"] == "interrupted" and res["failed_step"].startswith(f"interrupted ({NAMED[first]})")
+    else:
+        assert res["outcome"] == "rolled_back" and res["failed_step"] == "restart", res
+    assert_pre_deploy(th)
+    assert lock_free(th)
+
+
+def _signal_during_a_rollback_command(th, start_cli, tmp: Path, _unused: None, sig: signal.Signals):
+    """`ddtree-ops rollback` after a deploy, `sig` while it waits to reconnect (its connection cut
+    before its first restore): it runs to its end, exit 3, the host on its previous release."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    r = run_cli(*deploy_args(th, three_files(tmp, "C")))
+    assert r.code == 0, r.stderr
+    p = start_cli(*rollback_args(th), env={FAULT: "drop:restore:1"})
+    wait_for(lambda: "reconnecting to" in p.stderr() or p.proc.poll() is not None, 120,
+             what="the rollback to lose its connection")
+    p.signal(sig)
+    r = p.wait(180)
+    assert r.code == 3, r.stderr
+    res = host_result(r)
+    noted = f"interrupted ({NAMED[sig]}): stopping; hosts in flight finish their rollback"
+    assert noted in r.stderr and r.stderr.index(noted) < r.stderr.rindex(f"[{th.name}] rollback: healthy"), r.stderr
+    assert res["outcome"] == "interrupted" and "during the rollback, which ran to its end" in res["message"], res
+    assert_pre_deploy(th)
+    assert lock_free(th)
+
+
+@pytest.mark.interrupts
+def test_a_signal_during_a_rollback_does_what_a_second_ctrl_c_does_the_rollback_finishes(clean_hosts, start_cli,
+                                                                                        tmp_path):
+    """A second SIGTERM after a first, a second Ctrl-C after a first (what it has always done),
+    SIGHUP after Ctrl-C, SIGTERM while a deploy that failed on its own rolls back, and SIGTERM or
+    SIGHUP during a `rollback` command: each is noted, the rollback finishes, exit 3, the host
+    byte-identical to its previous release."""
+    during_deploy, during_command = _signal_during_the_rollback, _signal_during_a_rollback_command
+    cases = {"SIGTERM, SIGTERM": (during_deploy, SIGTERM, SIGTERM), "Ctrl-C, Ctrl-C": (during_deploy, SIGINT, SIGINT),
+             "Ctrl-C, SIGHUP": (during_deploy, SIGINT, SIGHUP), "failed, SIGTERM": (during_deploy, None, SIGTERM),
+             "rollback, SIGTERM": (during_command, None, SIGTERM), "rollback, SIGHUP": (during_command, None, SIGHUP)}
+    by_host: dict[str, list] = {}  # one scenario at a time per host; hosts in parallel
+    for i, (name, (fn, first, then)) in enumerate(cases.items()):
+        th = clean_hosts[i % len(clean_hosts)]
+        by_host.setdefault(th.name, []).append((name, lambda th=th, fn=fn, i=i, first=first, then=then: fn(
+            th, start_cli, tmp_path / f"r{i}", first, then)))
+    in_parallel({" then ".join(n for n, _ in runs): (lambda runs=runs: [fn() for _, fn in runs])
+                 for runs in by_host.values()})
+
+
+# The documented bound (README, docs/guarantees.md): while the weights load, the worker honours a
+# signal at its next progress line (one every 5 s), a poll (0.2 s here) and a probe later.
+ROLLBACK_STARTS_WITHIN_S = 6.0
+
+
+def _sigterm_while_the_weights_load(th, start_cli, tmp: Path, after_s: float) -> tuple[float, float]:
+    """SIGTERM `after_s` seconds into the weight wait, the tool running freely (no pause point).
+    Returns the seconds from the signal to the rollback's first step and to the tool's exit."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    p = start_cli(*deploy_args(slow_load(th, tmp), three_files(tmp, "B")))
+    wait_for(lambda: f"[{th.name}] wait for weights" in p.stderr() or p.proc.poll() is not None, 120,
+             what="the weight wait")
+    time.sleep(after_s)
+    t0 = time.time()
+    p.signal(SIGTERM)
+    r = p.wait(120)
+    exited = time.time() - t0
+    assert r.code == 3, r.stderr
+    res = host_result(r)
+    assert res["failed_step"].startswith("interrupted (SIGTERM) during "), res  # a start-up phase
+    first = next(s["t"] for s in res["steps"] if s["step"] == "rollback") - t0
+    assert_pre_deploy(th)
+    return first, exited
+
+
+@pytest.mark.interrupts
+def test_sigterm_while_the_weights_load_starts_the_rollback_within_the_documented_bound(
+        clean_hosts, start_cli, tmp_path, record_property):
+    offsets = [0.5, 2.5, 4.5][:max(1, len(clean_hosts))]  # spread over the 5 s between two progress lines
+    scenarios = {f"+{o:g} s": (lambda i=i, o=o: _sigterm_while_the_weights_load(
+        clean_hosts[i % len(clean_hosts)], start_cli, tmp_path / f"b{i}", o)) for i, o in enumerate(offsets)}
+    got = in_parallel(scenarios)
+    record_property("measured", "SIGTERM while the weights load → first rollback step "
+                    + ", ".join(f"{v[0]:.2f}" for v in got.values()) + " s; exit 3 after "
+                    + ", ".join(f"{v[1]:.2f}" for v in got.values()) + " s")
+    assert max(v[0] for v in got.values()) < ROLLBACK_STARTS_WITHIN_S, got
+
+
 # ---------------------------------------------------------------------------------------------
 # two operators at once; host keys; hostile inventory values; quoting
 
 
+@pytest.mark.interrupts
 def test_two_operators_at_once_one_gets_exit_5_naming_the_other(clean_host, start_cli, tmp_path):
     th = clean_host
     ps = three_files(tmp_path)
@@ -393,7 +529,7 @@ def test_two_operators_at_once_one_gets_exit_5_naming_the_other(clean_host, star
     token = lock_holder(th)["token"]
     assert f"--break-lock {token}" in msg
     wait_paused(winner, marker)
-    ctrl_c(winner, marker)  # the winner is rolled back: the host is as before
+    interrupt(winner, marker)  # the winner is rolled back: the host is as before
     assert winner.wait(180).code == 3
     assert_pre_deploy(th)
 
@@ -722,58 +858,26 @@ def test_private_backups_restored_mode_and_owner_corrupted_backup_refused_no_sec
 
 
 # ---------------------------------------------------------------------------------------------
-# the SSH connection cut mid-transfer (sshd of the host stopped). Last in this file: the hosts
-# get a new sshd, so the next test that needs them resets them.
+# the SSH connection cut mid-transfer (sshd of the host stopped).
 
 
 @pytest.fixture
 def sshd_control(sandbox):
-    """Stop every sshd process of a host (listener and sessions) and start a new listener in the
-    host's namespaces; the new listeners are killed (by PID) at teardown."""
-    from ddtree_ops.testing.sandbox import SSHD, _namespace_pids
+    """Stop a host's sshd (its unit stopped, every session ended) and start it again; a host left
+    stopped is started again at teardown."""
+    stopped: set[str] = set()
 
-    started: list[subprocess.Popen] = []
-
-    def sbhost(name):
-        return next(x for x in sandbox.hosts() if x.name == name)
-
-    def stop(name: str) -> list[int]:
-        pids = []
-        for pid in _namespace_pids(sbhost(name)):
-            try:
-                with open(f"/proc/{pid}/comm") as fh:
-                    if fh.read().strip() == "sshd":
-                        pids.append(pid)
-            except OSError:
-                pass
-        for pid in sorted(pids):  # the listener (oldest) first: no new sessions meanwhile
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        return pids
+    def stop(name: str) -> None:
+        sandbox.stop_sshd(name)
+        stopped.add(name)
 
     def start(name: str) -> None:
-        h = sbhost(name)
-        p = subprocess.Popen(["nsenter", "-t", str(h.init_pid), "-n", "-m", SSHD, "-D", "-e", "-f",
-                              "/run/ddtree-sandbox/sshd_config"], stdin=subprocess.DEVNULL,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        started.append(p)
-        import socket
-
-        def listening():
-            try:
-                socket.create_connection((h.address, 22), timeout=0.5).close()
-                return True
-            except OSError:
-                return False
-        wait_for(listening, 20, what=f"sshd of {name} to listen again")
+        sandbox.start_sshd(name)
+        stopped.discard(name)
 
     yield stop, start
-    for p in started:
-        if p.poll() is None:
-            os.kill(p.pid, signal.SIGKILL)
-        p.wait(timeout=30)
+    for name in sorted(stopped):
+        sandbox.start_sshd(name)
 
 
 def _connection_cut(th, start_cli, sshd_control, tmp: Path, comes_back_after: float | None):
@@ -785,8 +889,11 @@ def _connection_cut(th, start_cli, sshd_control, tmp: Path, comes_back_after: fl
     env["DDTREE_OPS_RECONNECT_S"] = "60" if comes_back_after is not None else "3"
     p = start_cli(*deploy_args(th, ps), env=env)
     agent = wait_paused(p, marker)
-    assert stop(th.name), "no sshd process found"
-    wait_for(lambda: not pid_alive(agent), 30, what="the remote agent to lose its connection")
+    stop(th.name)
+    # The agent outlives the SSH session (a unit of its own): it finds its controller gone.
+    wait_for(lambda: json.loads(th.sandbox.inside(th.name, ["cat", f"{STATE}/deploy.lock"]).stdout).get("orphaned_at"),
+             30, what="the remote agent to lose its connection")
+    assert agent_alive(th, agent, inside=True)
     marker.unlink(missing_ok=True)
     if comes_back_after is not None:
         # The tool keeps reconnecting; sshd is back in a few seconds: rolled back, exit 3.

@@ -12,7 +12,6 @@ import gzip
 import io
 import json
 import os
-import signal
 import socket
 import tarfile
 import time
@@ -331,8 +330,7 @@ def test_max_fail_must_be_exceeded_and_an_abort_reverts_what_this_run_updated(fl
 @pytest.fixture
 def sbx4_down(fleet):
     sb = fleet[0].sandbox
-    h = next(x for x in sb.hosts() if x.name == "sbx4")
-    os.kill(h.sshd_pid, signal.SIGTERM)  # the host's sshd, recorded by the sandbox
+    sb.stop_sshd("sbx4")
     addr = fleet[3].host.address
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:

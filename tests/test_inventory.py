@@ -356,9 +356,13 @@ def test_state_dir_may_not_hold_or_sit_in_the_hosts_venv_or_site_packages():
     ("bogus" * 10_000, 1),
 ])
 def test_a_value_quoted_in_a_message_is_cut_to_80_characters(field, value):
+    from ddtree_ops.config.inventory import HOST_FIELDS
+
     with pytest.raises(InventoryError) as e:
         inv({"ct": {"address": "10.0.0.1", field: value}})
-    assert len(str(e.value)) < 600 and "…" in str(e.value)
+    # An unknown key's message lists the allowed keys, which grow with the schema: not counted.
+    allowed = ", ".join(sorted(f.name for f in HOST_FIELDS))
+    assert len(str(e.value).replace(allowed, "")) < 600 and "…" in str(e.value)
 
 
 def test_a_long_host_name_is_cut_in_the_message():

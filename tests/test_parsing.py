@@ -43,7 +43,30 @@ def test_probe_reads_state_pid_and_log():
     p = parse_probe("MainPID=9\nActiveState=activating\n", "line 1\n\nLoad weight begin\n")
     assert (p.active, p.main_pid, p.log) == ("activating", 9, ["line 1", "Load weight begin"])
     assert parse_probe("", "").active == "unknown"
-    assert probe_argvs("a.service", 5)[1] == ["journalctl", "-u", "a.service", "-n", "5", "--no-pager"]
+    assert probe_argvs("a.service", 5)[1] == ["journalctl", "-u", "a.service", "-n", "18", "--no-pager"]
+
+
+# Under real systemd 252, a crash during the weight load: the traceback, then PID 1's lines.
+CRASH_JOURNAL = """\
+Dec 01 20:15:08 sbx1 python[3395]: [TP0] Load weight begin
+Dec 01 20:15:08 sbx1 python[3395]: [TP0] Scheduler hit an exception: Traceback (most recent call last):
+Dec 01 20:15:08 sbx1 python[3395]: [TP0] RuntimeError: crash during weight loading
+Dec 01 20:15:08 sbx1 systemd[1]: sglang-k26-ddtree.service: Main process exited, code=exited, status=1/FAILURE
+Dec 01 20:15:08 sbx1 systemd[1]: sglang-k26-ddtree.service: Failed to kill control group, ignoring
+Dec 01 20:15:08 sbx1 systemd[1]: sglang-k26-ddtree.service: Failed to kill control group, ignoring
+Dec 01 20:15:08 sbx1 systemd[1]: sglang-k26-ddtree.service: Failed with result 'exit-code'.
+Dec 01 20:15:13 sbx1 systemd[1]: sglang-k26-ddtree.service: Scheduled restart job, restart counter is at 1.
+"""
+
+
+def test_a_log_tail_keeps_the_servers_traceback_before_systemds_own_lines():
+    p = parse_probe("ActiveState=activating\n", CRASH_JOURNAL, lines=2)
+    assert p.log[:2] == ["Dec 01 20:15:08 sbx1 python[3395]: [TP0] Scheduler hit an exception: Traceback (most "
+                         "recent call last):", "Dec 01 20:15:08 sbx1 python[3395]: [TP0] RuntimeError: crash during "
+                                                "weight loading"]
+    assert len(p.log) == 2 + 3 and p.log[-1].endswith("restart counter is at 1.")
+    # The control: a plain tail of as many lines shows PID 1's lines only.
+    assert not any("python[" in ln for ln in CRASH_JOURNAL.splitlines()[-5:])
 
 
 @pytest.mark.parametrize("text, expected", [

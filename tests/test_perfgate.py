@@ -391,7 +391,8 @@ def test_should_stop_ends_the_run_and_closes_the_open_stream():
     assert len(seen) == 3
 
 
-def test_ctrl_c_stops_the_workers_and_is_raised():
+@pytest.mark.interrupts
+def test_ctrl_c_stops_the_workers_and_is_raised(sigint_raises):
     seen: list[int] = []
     finished: list[int] = []
 

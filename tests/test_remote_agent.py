@@ -67,7 +67,8 @@ def test_the_typed_store_drives_the_agent_process_through_a_release(host):
     ch = local_agent()
     try:
         store = ReleaseStore(ch, SimpleNamespace(name="local", state_dir=str(host["state"]),
-                                                 site_packages=str(host["site"]), unit_path="/nonexistent.service"))
+                                                 site_packages=str(host["site"]), unit_path="/nonexistent.service",
+                                                 lock_lease_s=30.0))
         store.acquire_lock("test")
         store.backup("r1", [BackupPath(mod)])
         store.install([InstallFile(mod, base64.b64encode(b"NEW = 2\n").decode(), _sha(b"NEW = 2\n"))])

@@ -1,4 +1,4 @@
-"""The sandbox hosts themselves, against real processes: sshd, systemctl, the stand-in server."""
+"""The sandbox hosts themselves, against real processes: systemd, sshd, the stand-in server."""
 
 from __future__ import annotations
 
@@ -120,6 +120,7 @@ def test_readiness_timeline_is_refused_then_503_then_200(fresh_host, tmp_path):
     from ddtree_ops.artifacts.units import render_unit
     unit = render_unit(replace(h, template="sglang-dflash.service.j2"))
     th.ssh(["sh", "-c", f"cat > /etc/systemd/system/{DFLASH}"], stdin=unit)
+    th.ssh(["systemctl", "daemon-reload"])  # real systemd runs the unit it loaded until told
     th.ssh(["systemctl", "restart", DFLASH])
     seen = []
     deadline = time.monotonic() + 20
@@ -139,6 +140,38 @@ def test_readiness_timeline_is_refused_then_503_then_200(fresh_host, tmp_path):
     log = th.ssh(["journalctl", "-u", DFLASH, "-n", "200", "--no-pager"]).stdout
     begin, end, ready = (log.rfind(s) for s in ("Load weight begin", "Load weight end", "fired up and ready to roll"))
     assert -1 < begin < end < ready
+
+
+def test_each_host_runs_real_systemd_as_pid_1_with_journald_and_cgroups(fresh_host):
+    th = fresh_host
+    state = th.ssh(["systemctl", "is-system-running"], check=False).stdout.strip()
+    assert state == "running", th.ssh(["systemctl", "--failed", "--no-legend"], check=False).stdout
+    assert th.read("/proc/1/comm") == b"systemd\n"
+    # The unit's processes are tracked in its cgroup.
+    pid = th.main_pid(DFLASH)
+    cgroup = th.ssh(["systemctl", "show", "-p", "ControlGroup", "--value", DFLASH]).stdout.strip()
+    assert cgroup == f"/system.slice/{DFLASH}"
+    assert f"name=systemd:{cgroup}\n" in th.read(f"/proc/{pid}/cgroup").decode()
+    assert "fired up and ready to roll" in th.ssh(["journalctl", "-u", DFLASH, "--no-pager", "-q"]).stdout
+    # The machine's own units (its sshd, its timers) are not the host's.
+    assert th.unit_state("ssh.service") != "active"
+
+
+def test_a_reset_host_is_byte_identical_and_serves_again(sandbox, fresh_host):
+    from kit import host_tree
+
+    th = fresh_host
+    before = host_tree(th)
+    th.ssh(["sh", "-c", "echo changed >> /etc/systemd/system/sglang-k26-ddtree.service; "
+                        f"echo x > {th.host.site_packages}/sglang/srt/speculative/dflash_info.py; "
+                        "systemctl stop " + DFLASH])
+    assert host_tree(th) != before  # the control: the change is seen
+    sandbox.reset_host(th.name)
+    assert host_tree(th) == before
+    # The real wheel is still below the host's changes (a reset must not lose the lower layer).
+    version = th.ssh([th.host.python, "-c", "import importlib.metadata as m; print(m.version('sglang'))"]).stdout
+    assert version.strip() == "0.5.23"
+    assert th.unit_state(DFLASH) == "active" and httpx.get(th.host.base_url + "/health").status_code == 200
 
 
 def test_server_port_is_per_host(sandbox):
@@ -163,24 +196,15 @@ def test_down_leaves_no_process_namespace_or_mount(tmp_path):
         sb.up(1, load_seconds=0.1)
         (h,) = sb.hosts()
         pids = _namespace_pids(h)
-        assert len(pids) >= 3  # sshd, the supervisor, the server (at least)
-        mnt_ns = os.readlink(f"/proc/{h.sshd_pid}/ns/mnt")
+        # systemd-nspawn, systemd, journald, sshd, the server (at least)
+        assert len(pids) >= 5 and h.container_pid in pids
     finally:
         result = sb.down()
-    assert result["hosts"] == 1 and result["killed"] >= 3
+    assert result["hosts"] == 1 and result["killed"] >= 5
     assert not any(pid_alive(p) for p in pids)
     assert not os.path.exists(f"/run/netns/{h.netns}")
     assert not os.path.exists(f"/sys/class/net/{h.veth}")
     assert not _mounts_mentioning(str(tmp_path / "own"))
-    alive_in_ns = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if os.readlink(f"/proc/{entry}/ns/mnt") == mnt_ns and pid_alive(int(entry)):
-                    alive_in_ns.append(entry)
-            except OSError:
-                pass
-    assert alive_in_ns == []
     assert not (tmp_path / "own").exists()
 
 
@@ -196,7 +220,7 @@ def test_up_again_replaces_the_previous_hosts_cleanly(tmp_path):
         sb.up(1, load_seconds=0.1)
         (new,) = sb.hosts()
         assert new.netns != old.netns
-        assert not os.path.exists(f"/run/netns/{old.netns}") and not pid_alive(old.sshd_pid)
+        assert not os.path.exists(f"/run/netns/{old.netns}") and not pid_alive(old.container_pid)
         assert sb.status()[0]["health_up"]
     finally:
         sb.down()
@@ -221,57 +245,23 @@ def test_up_without_prerequisites_names_them_and_creates_nothing(tmp_path, monke
 # the rig's pieces, without hosts (no root needed)
 
 
-def test_boot_script_is_package_data_and_valid_sh(tmp_path):
-    from importlib import resources
+def test_each_host_path_is_bound_to_the_hosts_own_folder_and_the_tool_is_seen_read_only(tmp_path):
+    from ddtree_ops.testing.sandbox import SandboxError, SandboxHost, container
 
-    from ddtree_ops.testing.sandbox import boot
-
-    shipped = resources.files("ddtree_ops.testing.sandbox").joinpath("boot.sh")
-    assert shipped.is_file()
-    text = boot.boot_script()
-    assert text == shipped.read_text()
-    # A real script: parameters come as arguments, nothing is left to fill in by Python.
-    assert "{" not in text.replace("${", "")
-    assert 'exec "$SSHD" -D -e -f /run/ddtree-sandbox/sshd_config' in text
-    script = tmp_path / "boot.sh"
-    script.write_text(text)
-    r = subprocess.run(["/bin/sh", "-n", str(script)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-
-
-def _no_extra_cli(*args: str, cwd) -> subprocess.CompletedProcess:
-    """`ddtree-ops ARGS` in a subprocess where the `sandbox` extra's distribution is not installed."""
-    code = (
-        "import importlib.metadata as m, sys\n"
-        "real = m.distribution\n"
-        "def fake(name):\n"
-        "    if name == 'docker-systemctl-replacement':\n"
-        "        raise m.PackageNotFoundError(name)\n"
-        "    return real(name)\n"
-        "m.distribution = fake\n"
-        "sys.argv[0] = 'ddtree-ops'\n"
-        "from ddtree_ops.cli.commands import main\n"
-        "main()\n"
-    )
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=cwd,
-                          stdin=subprocess.DEVNULL, timeout=60)
-
-
-def test_sandbox_commands_without_the_extra_say_how_to_get_it(tmp_path):
-    from ddtree_ops.testing import sandbox_extra_installed
-
-    assert sandbox_extra_installed()  # this environment has it: the real commands are there
-    real = run_cli("sandbox", "up", "--help")
-    assert real.code == 0 and "--hosts" in real.stdout and "--multinode" in real.stdout
-    for args in (["up", "--hosts", "3", "--dir", str(tmp_path / "sb"), "--json"], ["status"],
-                 ["down", "--dir", str(tmp_path / "sb")]):
-        r = _no_extra_cli("sandbox", *args, cwd=tmp_path)
-        assert r.returncode == 2, (args, r.stdout, r.stderr)
-        assert r.stdout == ""
-        lines = r.stderr.splitlines()
-        assert len(lines) == 1 and lines[0].startswith("error: ")
-        assert "pip install 'ddtree-ops[sandbox]'" in lines[0] and "pip install -e '.[sandbox]'" in lines[0]
-    assert not (tmp_path / "sb").exists()
+    h = SandboxHost(name="sbx1", subnet=7, netns="ddt-abcd-1", veth="ddtabcdh1", dir=str(tmp_path / "sbx1"))
+    argv = container.nspawn_argv(h, Path("/cache/site"), ["/root/.pyenv/versions/3.11.7", "/srv/ddtree"])
+    d = tmp_path / "sbx1"
+    assert argv[0] == "systemd-nspawn" and argv[-1] == "--boot"
+    assert "--network-namespace-path=/run/netns/ddt-abcd-1" in argv
+    for want in (f"--bind={d}/etc-systemd-system:/etc/systemd/system", f"--bind={d}/var-lib:/var/lib",
+                 f"--bind={d}/opt:/opt", f"--overlay=/etc:{d}/etc-upper:/etc",
+                 "--bind-ro=/cache/site:/run/ddtree-sandbox/site-tree", "--bind-ro=/srv/ddtree"):
+        assert want in argv, want
+    # No host registers with (or needs) the machine's own systemd and D-Bus.
+    assert "--keep-unit" in argv and "--register=no" in argv
+    container.check_tool_visible(["/srv/ddtree", "/root/.pyenv"])
+    with pytest.raises(SandboxError, match="lie under /opt"):
+        container.check_tool_visible(["/opt/ddtree/.venv"])
 
 
 def test_wheel_cache_location(tmp_path):
@@ -316,13 +306,14 @@ def test_inventory_runs_the_standin_and_groups_a_multinode_server(tmp_path):
     assert [inv.hosts[n].node_rank for n in ("sbx2", "sbx3")] == [0, 1]
 
 
-def test_a_state_file_from_before_the_split_still_loads(tmp_path):
+def test_a_state_file_from_an_earlier_version_still_loads(tmp_path):
     from ddtree_ops.testing.sandbox import SandboxHost
 
     old = {"name": "sbx1", "index": 1, "subnet": 7, "netns": "ddt-abcd-1", "veth": "ddtabcdh1", "dir": "/x",
            "sshd_pid": 12, "init_pid": 13}
     h = SandboxHost.from_dict(old)
-    assert (h.name, h.subnet, h.sshd_pid, h.init_pid, h.address) == ("sbx1", 7, 12, 13, "10.200.7.2")
+    assert (h.name, h.subnet, h.container_pid, h.address) == ("sbx1", 7, None, "10.200.7.2")
+    assert SandboxHost.from_dict({**old, "container_pid": 14}).container_pid == 14
 
 
 def test_sandbox_nvidia_smi_never_lists_a_process_that_reused_a_registrants_pid(tmp_path):

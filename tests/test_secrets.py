@@ -383,7 +383,12 @@ def test_the_api_key_lives_in_the_secrets_file_only_on_a_real_host(fresh_host, t
     # journal hold the key, nothing else.
     held = _holders(sb.dir, key.encode())
     assert "var-lib/sglang-secrets/ddtree-secrets.yaml" in held, held
+    # Besides, only the server's own log: journald's files under var-log (which may compress the
+    # long server_args line beyond a byte scan; the journal read above holds it in clear).
     others = [p for p in held if p != "var-lib/sglang-secrets/ddtree-secrets.yaml"]
-    assert others and all(p.startswith("var-log/") for p in others), held  # SGLang's own log only
+    assert all(p.startswith("var-log/") for p in others), held
     assert th.ssh(["sh", "-c", 'grep -rlsF -- "$1" /run /etc/systemd/system /var/lib/ddtree-ops || true',
                    "sh", key]).stdout.split() == []
+    # Leave the host as the next test expects it (no release that wants a key): a deployable host
+    # on a release is kept by fixtures that do not reset it.
+    cli("rollback", "-i", inv, "-l", th.name, "--to", "original", "--yes", code=0)

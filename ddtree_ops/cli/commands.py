@@ -19,6 +19,7 @@ from ..errors import EXIT_ERROR, DdtreeOpsError, InputError
 from ..host.hooks import NO_HOOKS, Hooks
 from .common import emit_json as _emit_json
 from .common import guard as _guard
+from .common import interrupted as _interrupted
 from .common import log as _log
 
 EXIT_CODES_HELP = (
@@ -470,8 +471,18 @@ def _hooks(ctx: typer.Context) -> Hooks:
 
 
 def main(hooks: Hooks = NO_HOOKS) -> None:
-    """The `ddtree-ops` command. `hooks`: only the test rig passes any (ddtree_ops.testing.hooked_cli)."""
-    app(obj=hooks)
+    """The `ddtree-ops` command. `hooks`: only the test rig passes any (ddtree_ops.testing.hooked_cli).
+    SIGTERM and SIGHUP end it the way Ctrl-C does (signals.py)."""
+    from .signals import signals_as_interrupts, typer_swallowed
+
+    with signals_as_interrupts():
+        try:
+            app(obj=hooks)
+        except SystemExit as e:
+            interrupt = typer_swallowed(e)
+            if interrupt is None:
+                raise
+            raise SystemExit(_interrupted(interrupt)) from None  # said as inside a command
 
 
 if __name__ == "__main__":

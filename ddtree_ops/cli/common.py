@@ -10,6 +10,7 @@ from typing import Any, Callable
 import typer
 
 from ..errors import DdtreeOpsError
+from ..runbook.describe import interrupt_label
 
 
 def emit_json(doc: Any) -> None:
@@ -32,7 +33,12 @@ def guard(fn: Callable[[], int | None], *, as_json: bool = False) -> None:
             emit_json({"ok": False, "error": type(e).__name__, "message": str(e), "exit_code": e.exit_code})
         log(f"error: {e}")
         raise typer.Exit(e.exit_code) from None
-    except KeyboardInterrupt:
-        log("interrupted")
-        raise typer.Exit(130) from None
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM/SIGHUP (signals.py): before any change
+        raise typer.Exit(interrupted(e)) from None
     raise typer.Exit(code)
+
+
+def interrupted(e: KeyboardInterrupt) -> int:
+    """Say which interrupt ended the command; its exit code (128 + the signal's number)."""
+    log(f"interrupted ({interrupt_label(e)})")
+    return getattr(e, "exit_code", 130)

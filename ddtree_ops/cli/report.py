@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config.redaction import scrub
+from ..host.heal_note import HEAL_STEP, healed_notes
 from ..runbook.events import StepDone
 
 # -- text --------------------------------------------------------------------------------------
@@ -104,7 +105,7 @@ PHASE_GROUPS: list[tuple[str, str, tuple[str, ...]]] = [
                                  "serving")),
     ("gates", "#59a14f", ("health gate", "perf gate", "soak")),
     ("commit", "#1b7a3e", ("register", "commit", "committed")),
-    ("rollback", "#e15759", ("rolled back",)),
+    ("rollback", "#e15759", ("rolled back", HEAL_STEP)),
     ("no change", "#b0b7bf", ("unchanged",)),
 ]
 OTHER_COLOUR = "#8c8c8c"
@@ -287,6 +288,8 @@ def _summary(doc: dict) -> str:
         msg = _clean(h.get("message"))
         if h.get("repaired"):
             msg = f"repaired first: {_clean(h['repaired'])}" + (f"; {msg}" if msg else "")
+        for note in healed_notes(h.get("steps")):  # what the host did alone, before this run
+            msg = _clean(note) + (f"; {msg}" if msg else "")
         rows.append(
             f'<tr class="host-row" data-host="{_t(h.get("host"))}"><td class="nowrap"><b>{_t(h.get("host"))}</b></td>'
             f'<td class="{_outcome_class(action, outcome)}">{_t(outcome)}</td>'

@@ -22,6 +22,7 @@ from rich.text import Text
 
 from ..config.redaction import scrub_lines
 from ..fleet.rollout import RolloutResult
+from ..host.heal_note import heal_note, healed_notes, unreported_heal
 from ..runbook.plan import HostPlan
 
 # Wide enough that Rich never wraps or cuts a cell; a table is only as wide as its content.
@@ -124,6 +125,9 @@ def print_rollout(res: RolloutResult) -> None:
         if r.perf_gate:
             print_gate(r.host, r.perf_gate)
     for r in res.results:
+        for note in healed_notes(r.steps):  # the host had rolled itself back since the last run
+            print(clean(f"{r.host}: {note}"))
+    for r in res.results:
         if r.log:
             print(f"--- last log lines of {clean(r.host)} ---")
             print(clean("\n".join(scrub_lines(r.log[-15:]))))  # scrubbed when read; masked again here
@@ -159,6 +163,9 @@ def print_status(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         if r["reachable"] and r["reason"]:
             print(clean(f"{r['host']}: {r['reason']}"))
+        heal = unreported_heal(r.get("host_heal"))
+        if heal:
+            print(clean(f"{r['host']}: {heal_note(heal)}"))
 
 
 def print_history(hist: dict[str, Any]) -> None:

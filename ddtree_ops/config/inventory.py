@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ..errors import InputError, InventoryError, shown
+from .lock_settings import LOCK_LEASE_S, LOCK_RENEW_S, lease_duration, renew_interval
 from .perfgate_settings import PerfGateSettings, parse_perf_gate
 from .router_settings import RouterSettings, router_field
 from .schema import (
@@ -148,6 +149,9 @@ class Host:
     bundle_signers: BundleSigners | None = None  # None: bundle signatures are not checked
     router: RouterSettings | None = None  # the request router in front of the host; None: none
     perf_gate: PerfGateSettings = PerfGateSettings()  # the canary's speed gate; disabled unless set
+    # The deploy lock is a lease (config/lock_settings.py): renewed this often, lost after this long.
+    lock_renew_s: float = LOCK_RENEW_S
+    lock_lease_s: float = LOCK_LEASE_S
 
     @property
     def multinode(self) -> bool:
@@ -352,6 +356,8 @@ HOST_FIELDS: tuple[Field, ...] = (
     Field("template", template_name(), "sglang-ddtree.service.j2"),
     Field("keep_releases", int_range(1, 100), 5),
     Field("min_free_mb", int_range(0, 10**7), 64),
+    Field("lock_renew_s", renew_interval(), LOCK_RENEW_S),
+    Field("lock_lease_s", lease_duration("lock_renew_s"), LOCK_LEASE_S),
     Field("environment_file", abs_path(), None),
     # A YAML file on the host holding `api-key: 'KEY'` (and other secret options), passed to SGLang
     # as `--config FILE`: the key never appears in the unit, its backups or the process list.

@@ -273,7 +273,7 @@ def launch_value() -> Check:
 
 
 def is_valid_unit_name(name: Any) -> bool:
-    return isinstance(name, str) and len(name) <= 255 and bool(_UNIT_RE.match(name))
+    return isinstance(name, str) and len(name) <= 255 and bool(_UNIT_RE.fullmatch(name))
 
 
 def check_unit(value: Any, *, service: bool = False) -> str:

@@ -20,6 +20,11 @@ Vocabulary:
   max_fail_percentage: 2 of 4 failed with 50% is still within), no new batch starts.
 * an *aborted* rollout (canary failure, budget exceeded, Ctrl-C) rolls back, by default, every
   target this run updated, so the fleet ends on one release; `keep_updated=True` opts out.
+* an *interrupt* (Ctrl-C, SIGTERM, SIGHUP: cli/signals.py hands it to the rollouts under way,
+  `deliver_interrupt`; a KeyboardInterrupt in the main thread counts the same) asks every target
+  in flight to stop at its next event, where its runbook rolls it back, and no new batch starts.
+  A target that is already rolling back (its run failed) is not interrupted, and a second
+  interrupt is only noted: nothing cuts a rollback short.
 
 Each host's result is a row; an unreachable host is a row, never a crash. The overall exit code
 is the most serious one of the rows.
@@ -27,8 +32,10 @@ is the most serious one of the rows.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
+import signal
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -38,7 +45,8 @@ from typing import Any, Callable
 
 from ..config.inventory import Host, Inventory
 from ..errors import EXIT_ERROR, EXIT_NEEDS_PERSON, EXIT_OK, EXIT_ROLLED_BACK, InputError
-from ..runbook.events import Event, EventSink
+from ..runbook.describe import Interrupt, interrupt_label, interrupted_by
+from ..runbook.events import Event, EventSink, Failed
 from ..runbook.results import SUCCESS, HostResult, Outcome, failed_result, overall_exit_code
 
 # ---------------------------------------------------------------------------------------------
@@ -160,6 +168,41 @@ class Progress:
     def stop(self) -> None: ...
 
 
+class _Guarded(Progress):
+    """A view that can no longer write (its terminal closed, SIGHUP's usual cause: writes fail
+    with EIO) must not break the run it shows, least of all a rollback: its OSError is dropped."""
+
+    def __init__(self, view: Progress):
+        self.view = view
+
+    def _tell(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            fn(*args)
+        except OSError:
+            pass
+
+    def start(self, hosts: list[str], batches: list[list[str]]) -> None:
+        self._tell(self.view.start, hosts, batches)
+
+    def state(self, host: str, state: str) -> None:
+        self._tell(self.view.state, host, state)
+
+    def event(self, event: Event) -> None:
+        self._tell(self.view.event, event)
+
+    def note(self, msg: str) -> None:
+        self._tell(self.view.note, msg)
+
+    def pause(self) -> None:
+        self._tell(self.view.pause)
+
+    def resume(self) -> None:
+        self._tell(self.view.resume)
+
+    def stop(self) -> None:
+        self._tell(self.view.stop)
+
+
 # ---------------------------------------------------------------------------------------------
 # the rollout
 
@@ -189,8 +232,22 @@ class RolloutResult:
 TargetAction = Callable[[Target, EventSink], list[HostResult]]
 
 
-class _Interrupt(KeyboardInterrupt):
-    """Raised inside a worker (through its reporter) when the operator pressed Ctrl-C."""
+_RUNNING: list[Rollout] = []  # the rollouts under way in this process (the CLI runs one at a time)
+
+
+def deliver_interrupt(e: KeyboardInterrupt) -> bool:
+    """Hand an interrupt to every rollout under way, which acts on it in its own time; False when
+    none is (the caller raises it then). It runs inside a signal handler, between any two
+    statements of the main thread: it only appends to a list (no lock, no output)."""
+    running = list(_RUNNING)
+    for r in running:
+        r.interrupt(e)
+    return bool(running)
+
+
+class _Interrupt(Interrupt):
+    """Raised inside a worker (through its reporter) when the main thread was interrupted (Ctrl-C,
+    SIGTERM, SIGHUP): the same signal, for the messages."""
 
 
 class Rollout:
@@ -206,26 +263,35 @@ class Rollout:
         self.canary, self.max_fail = canary, parse_percent(max_fail)
         self.batches = plan_batches(len(targets), canary=canary, batch=batch)
         self.forks, self.keep_updated, self.revert = forks, keep_updated, revert
-        self.progress = progress or Progress()
+        self.progress: Progress = _Guarded(progress or Progress())
         self.notes = list(notes or [])
-        self._interrupted = threading.Event()
+        self._interrupts: list[KeyboardInterrupt] = []  # in arrival order; appended by `interrupt`
+        self._told = 0  # how many of them the progress view was told about
 
     # -- helpers ---------------------------------------------------------------------------------
     def _reporter(self, interruptible: bool) -> EventSink:
+        """The sink of one target's run. Once the rollout is interrupted, the target's next event
+        raises `_Interrupt` (once per host), unless the target is rolling back already: a failed
+        run reports `Failed` before its rollback, whose events must go through untouched."""
         raised: set[str] = set()
         lock = threading.Lock()
+        rolling_back = threading.Event()
 
         def report(event: Event) -> None:
+            if isinstance(event, Failed):
+                rolling_back.set()
             self.progress.event(event)
-            if interruptible and self._interrupted.is_set():
+            if interruptible and self._interrupts and not rolling_back.is_set():
                 with lock:
                     if event.host in raised:
                         return
                     raised.add(event.host)
-                raise _Interrupt()  # the runbook rolls this host back (or stops before any change)
+                raise _Interrupt(getattr(self._interrupts[0], "signum", signal.SIGINT))  # the runbook rolls back
         return report
 
     def _run_target(self, t: Target, action: TargetAction, interruptible: bool) -> list[HostResult]:
+        if action is self.action and self._interrupts:  # queued when the interrupt came: never started
+            return [self._not_started(h.name, interrupted_by(self._interrupts[0])) for h in t.hosts]
         for h in t.hosts:
             self.progress.state(h.name, "running")
         t0 = time.monotonic()
@@ -233,10 +299,13 @@ class Rollout:
             results = action(t, self._reporter(interruptible))
         except KeyboardInterrupt as e:  # interrupted before the first change
             results = [failed_result(h.name, e, time.monotonic() - t0, exit_code=EXIT_ERROR,
-                                     message="interrupted before any change") for h in t.hosts]
+                                     message=f"interrupted ({interrupt_label(e)}) before any change")
+                       for h in t.hosts]
         except Exception as e:  # a bug must be a row too, not a crash of the whole rollout
             results = [failed_result(h.name, e, time.monotonic() - t0, outcome=Outcome.FAILED, exit_code=EXIT_ERROR,
                                      message=f"{type(e).__name__}: {e}") for h in t.hosts]
+        if action is self.action and self.kind == "rollback" and self._interrupts:
+            results = [_ran_to_its_end(r, self._interrupts[0]) for r in results]
         for r in results:
             self.progress.state(r.host, r.outcome)
         return results
@@ -249,14 +318,36 @@ class Rollout:
         while pending:
             try:
                 finished, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
-            except KeyboardInterrupt:
-                if not self._interrupted.is_set():
-                    self._interrupted.set()
-                    self.progress.note("interrupted: stopping; hosts in flight are rolled back")
+            except KeyboardInterrupt as e:  # one no signal handler handed over (a library caller's)
+                self.interrupt(e)
                 continue
+            finally:
+                self._tell_interrupts()
             for f in finished:
                 done[futures[f].name] = f.result()
         return done
+
+    def interrupt(self, e: KeyboardInterrupt) -> None:
+        """Record an interrupt (any thread, a signal handler included: one atomic append). The
+        first one stops every target in flight (which rolls back) and the rollout; later ones are
+        only noted, so a rollback under way runs to its end."""
+        self._interrupts.append(e)
+
+    def _tell_interrupts(self) -> None:
+        """Tell the view about the interrupts recorded since the last time (main thread)."""
+        while self._told < len(self._interrupts):
+            label = interrupt_label(self._interrupts[self._told])
+            doing = "finish their rollback" if self.kind == "rollback" else "are rolled back"
+            self.progress.note(f"interrupted ({label}): stopping; hosts in flight {doing}" if self._told == 0
+                               else f"interrupted again ({label}): ignored; hosts in flight finish rolling back")
+            self._told += 1
+
+    def _not_started(self, host: str, reason: str) -> HostResult:
+        """A host the rollout never started on. Not a success when an interrupt stopped the
+        rollout (exit 1, as "interrupted before any change"): an interrupted rollout never exits 0
+        unless every host was done when it came."""
+        return HostResult(host, Outcome.SKIPPED, EXIT_ERROR if self._interrupts else EXIT_OK,
+                          message=f"not started: {reason}")
 
     def _failed(self, results: list[HostResult]) -> bool:
         return any(r.outcome not in SUCCESS[self.kind] for r in results)
@@ -272,6 +363,7 @@ class Rollout:
         by_target: dict[str, list[HostResult]] = {}
         aborted, reason = False, None
         attempted = failed = 0
+        _RUNNING.append(self)  # from here on an interrupt is recorded, never raised in this thread
         try:
             with ThreadPoolExecutor(max_workers=self.forks, thread_name_prefix="ddtree-ops") as pool:
                 for bi, batch_idx in enumerate(self.batches):
@@ -279,13 +371,15 @@ class Rollout:
                     is_canary = bi == 0 and self.canary > 0
                     label = "canary" if is_canary else f"batch {bi + (0 if self.canary > 0 else 1)}"
                     self.progress.note(f"{label}: {', '.join(t.name for t in batch)}")
-                    done = self._run_batch(pool, batch, self.action, True)
+                    # A rollback is never cut short (half done, it would need a person): in flight, it
+                    # runs to its end; an interrupt only stops what has not started.
+                    done = self._run_batch(pool, batch, self.action, self.kind != "rollback")
                     by_target.update(done)
                     batch_failed = sum(1 for t in batch if self._failed(done[t.name]))
                     attempted += len(batch)
                     failed += batch_failed
-                    if self._interrupted.is_set():
-                        aborted, reason = True, "interrupted by the operator (Ctrl-C)"
+                    if self._interrupts:
+                        aborted, reason = True, interrupted_by(self._interrupts[0])
                     elif is_canary and batch_failed:
                         aborted, reason = True, f"canary failed ({batch_failed} of {len(batch)})"
                     elif budget_exceeded(failed, attempted, self.max_fail):
@@ -309,17 +403,26 @@ class Rollout:
                 elif aborted and self.keep_updated:
                     self.progress.note("--keep-updated: hosts this run updated stay on the new release")
         finally:
+            _RUNNING.remove(self)
+            self._tell_interrupts()
             self.progress.stop()
         results: list[HostResult] = []
         for t in self.targets:
             if t.name in by_target:
                 results.extend(by_target[t.name])
             else:
-                results.extend(HostResult(h.name, Outcome.SKIPPED, EXIT_OK,
-                                          message="not started: " + (reason or "aborted"))
-                               for h in t.hosts)
+                results.extend(self._not_started(h.name, reason or "aborted") for h in t.hosts)
         return RolloutResult(self.kind, results, names, aborted, reason, reverted, self.notes,
                              time.monotonic() - t_start)
+
+
+def _ran_to_its_end(row: HostResult, e: KeyboardInterrupt) -> HostResult:
+    """A `rollback` interrupted while it ran on this host, and finished: the host is on its
+    previous release, healthy, and the run was interrupted: exit 3, as an interrupted deploy."""
+    if row.outcome != Outcome.ROLLED_BACK:
+        return row
+    return dataclasses.replace(row, outcome=Outcome.INTERRUPTED, exit_code=EXIT_ROLLED_BACK,
+                               message=f"{interrupted_by(e)} during the rollback, which ran to its end: {row.message}")
 
 
 def _merge_revert(deployed: list[HostResult], back: list[HostResult]) -> list[HostResult]:

@@ -2,7 +2,8 @@
 
 Per host: reachable (or why not), current release and its patch set/bundle, budget/topk of the
 active unit's ExecStart, drift (files whose sha256 differs from what the current release
-recorded as installed), unit states, /health and the average accept length from /server_info.
+recorded as installed), unit states, /health and the average accept length from /server_info,
+and the host's last heal of itself (rolled back on its own when its controller was lost).
 An unreachable host is a row with `reachable: false` and the reason, never a crash.
 """
 
@@ -61,7 +62,7 @@ def host_status(host: Host, *, accept_new_host_keys: bool = False) -> dict[str, 
         "reachable": False, "reason": None, "release": None, "patchset": None, "bundle": None,
         "release_outcome": None, "budget": None, "topk_cap": None, "algorithm": None, "drift": [],
         "units": {}, "active_unit": None, "health": None, "avg_accept_length": None, "journal": None, "lock": None,
-        "perf_gate": None,
+        "perf_gate": None, "host_heal": None,
     }
     try:
         session = open_session(host, accept_new_host_keys=accept_new_host_keys)
@@ -82,6 +83,7 @@ def host_status(host: Host, *, accept_new_host_keys: bool = False) -> dict[str, 
             row["perf_gate"] = rel.get("perf_gate")  # the current release's canary gate (perfgate)
             row["journal"] = facts.get("journal")
             row["lock"] = facts.get("lock")
+            row["host_heal"] = facts.get("host_heal")  # the host's last heal of itself (host/heal_note.py)
             installed = rel.get("installed") or {}
             if installed:
                 now = store.facts(sorted(installed))["files"]

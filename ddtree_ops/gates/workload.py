@@ -296,7 +296,8 @@ def measure(client: httpx.Client, workload: Workload, *, clock: Callable[[], flo
     after each chunk and while waiting; when it answers True the run ends: streams are closed at
     their next chunk (SGLang aborts those requests), measure() waits STOP_GRACE_S at most for
     them, and the measurement of what finished comes back with `stopped=True`. Ctrl-C in the
-    calling thread does the same, then re-raises KeyboardInterrupt. `clock` is the seam tests drive time with."""
+    calling thread (or SIGTERM/SIGHUP, which the CLI raises as one) does the same, then re-raises
+    the KeyboardInterrupt. `clock` is the seam tests drive time with."""
     run = _Run(client, workload, clock, should_stop)
     threads = [threading.Thread(target=run.worker, name=f"perfgate-{i}", daemon=True)
                for i in range(workload.concurrency)]

@@ -4,11 +4,14 @@
 BOOTSTRAP`, under `sudo -n` for a non-root user), sends it the agent's source (its modules joined
 into one, see agent_source.py), and then every request of the operation over that one channel: no
 file is left behind, no value passes through a shell, and no SSH exec or Python start is paid per
-step. That process holds the deploy lock while it lives, so the lock dies with the operation's
-connection. A fake host (ddtree_ops.testing.fake_host) is another `AgentTransport`.
+step. That process holds the deploy lock as a lease: the channel's heartbeat (lease.py) renews it
+while the runbook asks nothing, and a controller stopped or cut off for longer than the lease
+finds it lost (LeaseLost on every later call, nothing more sent). A fake host
+(ddtree_ops.testing.fake_host) is another `AgentTransport`.
 
 Requests travel as JSON objects (one per line, one answer per line); `ask` sends one built from
-its `protocol` dataclass, so callers never spell an op or a field as a string.
+its `protocol` dataclass, so callers never spell an op or a field as a string. One exchange at a
+time: the heartbeat waits for a request in flight, and a request for a heartbeat.
 """
 
 from __future__ import annotations
@@ -16,15 +19,17 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import threading
 import time
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from ..config.inventory import Host
-from ..errors import RemoteCommandError, UnreachableError
+from ..errors import LeaseLost, RemoteCommandError, UnreachableError
 from .agent import BOOTSTRAP
-from .agent.protocol import Hello, Request
+from .agent.protocol import Hello, HelloReply, Renew, Request
 from .agent_source import agent_source
 from .hooks import NO_HOOKS, Hooks, call_name
+from .lease import Heartbeat, LeaseWatch, lease_clock
 from .transport import HostConnection
 
 
@@ -43,23 +48,24 @@ def agent_argv(python: str) -> list[str]:
     return [python, "-I", "-S", "-c", BOOTSTRAP]
 
 
-# Without a request for this long the agent exits (freeing the lock): a controller whose network
-# vanished without closing the TCP connection is noticed. Long waits poll the unit meanwhile.
-IDLE_TIMEOUT_S = 600.0
-
-
 class AgentChannel:
     """The remote agent over one SSH channel, started on the first request.
 
     After a lost connection or a timed-out request the channel is closed and every later call
-    raises UnreachableError until `reset()` (a reconnect) starts a new agent."""
+    raises UnreachableError until `reset()` (a reconnect) starts a new agent; once the lease is
+    lost, every call and reset raises LeaseLost."""
 
-    def __init__(self, conn: HostConnection, host: Host, hooks: Hooks = NO_HOOKS):
+    def __init__(self, conn: HostConnection, host: Host, hooks: Hooks = NO_HOOKS, *,
+                 clock: Callable[[], float] = lease_clock):
         self.conn, self.host, self.hooks = conn, host, hooks
         self._chan: Any = None
         self._buf = bytearray()
         self._broken: str | None = None
+        self._io = threading.Lock()  # one exchange at a time: requests and heartbeats
+        self.watch = LeaseWatch(host.name, host.lock_lease_s, host.lock_renew_s, clock)
+        self._heartbeat: Heartbeat | None = None
         self.starts = 0  # agent processes started (one per operation unless reconnected)
+        self.hello: HelloReply | None = None  # the agent's first answer: its pid, Python, unit
 
     def _start(self) -> None:
         chan = self.conn.start(agent_argv(self.host.python))
@@ -71,21 +77,57 @@ class AgentChannel:
             raise UnreachableError(f"{self.host.name}: connection lost while starting the agent: {e}") from None
         self._chan, self._buf = chan, bytearray()
         self.starts += 1
-        self._exchange(Hello(IDLE_TIMEOUT_S).to_wire(), self.host.connect_timeout_s + 30)
+        answer = self._exchange(Hello(self.host.lock_lease_s).to_wire(), self.host.connect_timeout_s + 30)
+        self.hello = HelloReply.from_wire(answer_result(self.host.name, "hello", answer))
+        self._start_heartbeat()
 
     def call(self, request: dict[str, Any], timeout: float) -> dict[str, Any]:
-        if self._broken:
-            raise UnreachableError(f"{self.host.name}: {self._broken}")
-        if self._chan is None:
-            self._start()
-        fault = self.hooks.fault(request)  # None unless a test injected hooks
-        if fault == "fail":
-            raise RemoteCommandError(f"{self.host.name}: remote step {call_name(request)!r} failed (test fault)")
-        if fault == "drop":
-            self.conn.close()
-        return answer_result(self.host.name, request["op"], self._exchange(request, timeout))
+        with self._io:
+            self.watch.check()
+            if self._broken:
+                raise UnreachableError(f"{self.host.name}: {self._broken}")
+            if self._chan is None:
+                self._start()
+            fault = self.hooks.fault(request)  # None unless a test injected hooks
+            if fault == "fail":
+                raise RemoteCommandError(f"{self.host.name}: remote step {call_name(request)!r} failed (test fault)")
+            if fault == "drop":
+                self.conn.close()
+            self.watch.journal_sent(request)
+            return answer_result(self.host.name, request["op"], self._exchange(request, timeout))
 
-    def _exchange(self, request: dict[str, Any], timeout: float) -> dict[str, Any]:
+    # -- the heartbeat ---------------------------------------------------------------------------
+    def _start_heartbeat(self) -> None:
+        if self._heartbeat is None or not self._heartbeat.alive:
+            self._heartbeat = Heartbeat(self._beat, min(self.host.lock_renew_s / 2, 1.0),
+                                        name=f"lease heartbeat {self.host.name}")
+            self._heartbeat.start()
+
+    def _stop_heartbeat(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+
+    def _beat(self) -> bool:
+        """One look at the lease: lost (this process was stopped, or no answer came for the
+        lease), renewed when due, or left alone while a request is in flight. False: stop."""
+        if self._io.locked():
+            return True  # a request is in flight: the agent does not count the lease meanwhile
+        with self._io:
+            try:
+                self.watch.check()
+            except LeaseLost:
+                self._close_channel()
+                return False
+            if self._chan is None or self._broken or not self.watch.due():
+                return True  # a lost connection: the runbook reconnects, or the lease runs out
+            try:
+                self._exchange(Renew().to_wire(), max(self.watch.left_s(), 0.1), abortable=True)
+            except (RemoteCommandError, UnreachableError):
+                pass  # the channel is broken now; the lease runs out unless a reconnect comes first
+            return not (self._heartbeat is not None and self._heartbeat.stopped)
+
+    # -- one exchange ----------------------------------------------------------------------------
+    def _exchange(self, request: dict[str, Any], timeout: float, abortable: bool = False) -> dict[str, Any]:
         op = request["op"]
         chan = self._chan
         try:
@@ -93,10 +135,12 @@ class AgentChannel:
             deadline = time.monotonic() + timeout
             while (nl := self._buf.find(b"\n")) < 0:
                 left = deadline - time.monotonic()
+                if abortable and self._heartbeat is not None and self._heartbeat.stopped:
+                    raise UnreachableError(f"{self.host.name}: the channel was closed during a heartbeat")
                 if left <= 0:
                     self._fail(f"remote step {op!r} timed out after {timeout:g} s; the agent was stopped")
                     raise RemoteCommandError(f"{self.host.name}: remote step {op!r} timed out after {timeout:g} s")
-                chan.settimeout(min(left, 5.0))
+                chan.settimeout(min(left, 1.0 if abortable else 5.0))
                 try:
                     chunk = chan.recv(1 << 20)
                 except socket.timeout:
@@ -104,7 +148,7 @@ class AgentChannel:
                 if not chunk:
                     raise UnreachableError(f"{self.host.name}: {self._why_ended(op)}")
                 self._buf += chunk
-        except (OSError, EOFError) as e:
+        except (OSError, EOFError, ValueError) as e:  # ValueError: a pipe closed under a heartbeat
             self._fail(f"connection lost during remote step {op!r}: {e}")
             raise UnreachableError(f"{self.host.name}: connection lost during remote step {op!r}: {e}") from None
         except UnreachableError as e:
@@ -113,11 +157,13 @@ class AgentChannel:
         line = bytes(self._buf[:nl])
         del self._buf[:nl + 1]
         try:
-            return json.loads(line)
+            answer = json.loads(line)
         except ValueError:
             self._fail(f"unreadable answer to {op!r}")
             raise RemoteCommandError(f"{self.host.name}: remote step {op!r}: unreadable answer from "
                                      f"{self.host.python}: {line[-300:]!r} {self._stderr()}") from None
+        self.watch.answered()
+        return answer
 
     def _why_ended(self, op: str) -> str:
         """EOF from the agent: it exited (with a status and maybe a traceback), or the connection
@@ -152,13 +198,23 @@ class AgentChannel:
         self._chan = None
 
     def reset(self) -> None:
-        """Forget the old agent (after a reconnect); the next call starts a new one."""
-        self._close_channel()
-        self._broken = None
+        """Forget the old agent (after a reconnect); the next call starts a new one, which takes
+        over the lock from the old one (release_store.relock) if the lease has not run out."""
+        with self._io:
+            self.watch.check()
+            self._close_channel()
+            self._broken = None
 
     def close(self) -> None:
-        self._close_channel()
-        self._broken = "the agent was closed"
+        """End the channel: an agent that still holds the lock keeps it for the rest of its lease."""
+        self._stop_heartbeat()
+        held = self._io.acquire(timeout=5.0)  # a heartbeat ends within a second once stopped
+        try:
+            self._close_channel()
+            self._broken = "the agent was closed"
+        finally:
+            if held:
+                self._io.release()
 
 
 def answer_result(host: str, op: str, answer: dict[str, Any]) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config.inventory import Host
-from ..errors import LockHeldError
+from ..errors import LeaseLost, LockHeldError
 from .agent.protocol import (
     Backup,
     BackupPath,
@@ -48,6 +48,7 @@ from .agent.protocol import (
     VerifyUnitReply,
 )
 from .channel import AgentTransport, ask
+from .lease import lease_lost_message
 
 
 def new_release_id() -> str:
@@ -121,7 +122,7 @@ class ReleaseStore:
         holder = {
             "token": token, "user": _whoami(), "machine": socket.gethostname(), "pid": os.getpid(),
             "since": time.time(), "since_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "command": command,
+            "command": command, "lease_s": self.host.lock_lease_s,
         }
         res = self._lock(Lock(self.state_dir, holder, wait_s=self.lock_grace_s))
         if not res.acquired and (res.holder or {}).get("token") in break_tokens:
@@ -140,6 +141,9 @@ class ReleaseStore:
                               wait_s=self.lock_grace_s, resume_generation=self.held.holder.get("generation")))
         if not res.acquired:
             self.held = None
+            lost = lease_lost_by(self.agent, self.host, res.holder or {})
+            if lost is not None:
+                raise lost
             raise LockHeldError(f"{self.host.name}: the deploy lock was taken by another run while the connection "
                                 f"was down ({describe_holder(res.holder or {})}); this run no longer knows the "
                                 f"host's state and stops without touching it")
@@ -200,6 +204,18 @@ class ReleaseStore:
         return self._ask(Prune(self.state_dir, keep))["removed"]
 
 
+def lease_lost_by(agent: AgentTransport, host: Host, holder: dict[str, Any]) -> LeaseLost | None:
+    """The lock's file says this operation's lease expired while the connection was down (the
+    host healed itself or was left as it was): that, as the error to stop with."""
+    if not holder.get("lease_expired"):
+        return None
+    watch = getattr(agent, "watch", None)  # an SSH channel's view of the lease; a fake host has none
+    if watch is None:
+        return LeaseLost(lease_lost_message(host.name, host.lock_lease_s, None,
+                                            "its lease ran out while the connection was down", holder))
+    return watch.lose("its lease ran out while the connection was down", holder)
+
+
 def describe_holder(h: dict[str, Any]) -> str:
     if not h or "user" not in h:
         return str(h.get("holder", "an unknown holder")) if h else "an unknown holder"
@@ -210,8 +226,8 @@ def describe_holder(h: dict[str, Any]) -> str:
 
 
 def lock_message(host: str, holder: dict[str, Any], break_failed: bool = False) -> str:
-    """Why the lock could not be taken, and the way out: the lock frees itself when its holder's
-    connection ends; only a holder that is still connected needs --break-lock with its token."""
+    """Why the lock could not be taken, and the way out: the lock frees itself within the holder's
+    lease once the holder is gone; only a holder that is still there needs --break-lock."""
     token = holder.get("token")
     if break_failed:
         return (f"{host}: --break-lock {token}: the lock changed hands or its holder did not end; now held by "
@@ -219,8 +235,10 @@ def lock_message(host: str, holder: dict[str, Any], break_failed: bool = False) 
     if holder.get("legacy"):
         return (f"{host}: deploy lock held by {describe_holder(holder)} (a lock directory left by an older "
                 f"ddtree-ops); if that run is gone, pass --break-lock {token}")
-    return (f"{host}: deploy lock held by {describe_holder(holder)}. It is freed by itself when that run ends or "
-            f"loses its connection; to end that run's hold on the host now, pass --break-lock {token}")
+    lease = f"{holder['lease_s']:g} s" if isinstance(holder.get("lease_s"), (int, float)) else "its lease"
+    return (f"{host}: deploy lock held by {describe_holder(holder)}. It is freed by itself when that run ends, or "
+            f"within {lease} (lock_lease_s) once that run is killed, stopped or cut off (the host rolls itself back "
+            f"first if needed); to end that run's hold on the host now, pass --break-lock {token}")
 
 
 def _whoami() -> str:

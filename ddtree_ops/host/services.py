@@ -93,16 +93,33 @@ def parse_states(text: str, units: tuple[str, ...] | list[str]) -> dict[str, Uni
     return out
 
 
+# systemd's own lines about a unit kept in a log tail: enough for "Main process exited,
+# code=killed" and "Failed with result", never so many that they push out the server's traceback.
+SYSTEMD_LINES = 3
+
+
 def probe_argvs(unit: str, lines: int) -> list[list[str]]:
-    """State, MainPID and the log tail of `unit`: two programs, one round trip through the agent."""
+    """State, MainPID and the log tail of `unit`: two programs, one round trip through the agent.
+    The journal is read deeper than `lines`: parse_probe keeps the server's own last lines."""
     return [["systemctl", "show", "-p", "ActiveState", "-p", "MainPID", unit],
-            ["journalctl", "-u", unit, "-n", str(lines), "--no-pager"]]
+            ["journalctl", "-u", unit, "-n", str(3 * lines + SYSTEMD_LINES), "--no-pager"]]
 
 
-def parse_probe(show_out: str, journal_out: str) -> UnitProbe:
+def operator_tail(lines: list[str], n: int) -> list[str]:
+    """The last `n` lines the server wrote, with systemd's last SYSTEMD_LINES about the unit among
+    them, in journal order. A crashing server under real systemd is followed by a run of PID 1's
+    lines (exited, failed, scheduled restart, stopped, started...): a plain tail would show those
+    instead of the traceback. Pure."""
+    by_systemd = [i for i, ln in enumerate(lines) if " systemd[1]: " in ln]
+    own = [i for i in range(len(lines)) if i not in set(by_systemd)]
+    keep = set(own[-n:] if n > 0 else []) | set(by_systemd[-SYSTEMD_LINES:])
+    return [ln for i, ln in enumerate(lines) if i in keep]
+
+
+def parse_probe(show_out: str, journal_out: str, lines: int = 10) -> UnitProbe:
     blocks = parse_show_blocks(show_out)
     b = blocks[0] if blocks else {}
-    log = [ln for ln in journal_out.splitlines() if ln.strip()]
+    log = operator_tail([ln for ln in journal_out.splitlines() if ln.strip()], lines)
     return UnitProbe(b.get("ActiveState") or "unknown", parse_main_pid("MainPID=" + b.get("MainPID", "")), log)
 
 
@@ -136,7 +153,7 @@ class Services:
         request = Run(argvs=probe_argvs(unit, lines), timeout=30, scrub_files=list(self.scrub_files),
                       secret_words=list(SECRET_NAME_WORDS))
         show, journal = RunReply.from_wire(ask(self.agent, request, 60)).results
-        return parse_probe(show.stdout, journal.stdout)
+        return parse_probe(show.stdout, journal.stdout, lines)
 
     def gpu_apps(self) -> list[GpuApp] | None:
         """Processes holding GPU memory (nvidia-smi); None on a host without nvidia-smi."""

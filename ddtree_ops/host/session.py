@@ -19,6 +19,7 @@ from typing import Any, Iterator, Protocol
 import httpx
 
 from ..config.inventory import Host
+from ..errors import LeaseLost
 from .channel import AgentChannel
 from .hooks import NO_HOOKS, Hooks
 from .http import http_client
@@ -43,11 +44,16 @@ class HostLink(Protocol):
         """The clock the deadlines of those polls are read on (seconds; only differences count)."""
 
     def reconnect(self) -> None:
-        """A fresh connection in place of a lost one, and a new agent on the next call (the old
-        one's lock died with it)."""
+        """A fresh connection in place of a lost one, and a new agent on the next call, which
+        takes the lock over from the old one (still waiting out its lease); LeaseLost once the
+        lease has run out."""
+
+    def lease_lost(self) -> LeaseLost | None:
+        """LeaseLost when this controller's lease on the host's lock is lost (see host/lease.py)."""
 
     def close(self) -> None:
-        """End the agent (freeing its lock) and the connection."""
+        """Hang up on the agent (an agent still holding the lock keeps it for the rest of its
+        lease) and close the connection."""
 
 
 class SshLink:
@@ -70,9 +76,12 @@ class SshLink:
         return time.monotonic()
 
     def reconnect(self) -> None:
-        """Same host-key checks as the first connection."""
+        """Same host-key checks as the first connection; none once the lease is lost (LeaseLost)."""
         self.agent.reset()
         self.conn.reconnect()
+
+    def lease_lost(self) -> LeaseLost | None:
+        return self.agent.watch.lost_now()
 
     def close(self) -> None:
         self.agent.close()
@@ -96,9 +105,16 @@ class HostSession:
 
     def reconnect(self) -> None:
         """A fresh connection and agent, and the operation's lock taken again (LockHeldError if
-        another run took it meanwhile)."""
+        another run took it meanwhile, LeaseLost if the lease ran out)."""
         self.link.reconnect()
         self.store.relock()
+
+    def check_lease(self) -> None:
+        """LeaseLost when the lease on the host's lock is lost: the host goes its own way, and
+        nothing more is sent to it."""
+        lost = self.link.lease_lost()
+        if lost is not None:
+            raise lost
 
     def close(self) -> None:
         self.link.close()

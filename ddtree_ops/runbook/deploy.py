@@ -12,7 +12,7 @@ import time
 from contextlib import ExitStack
 
 from ..artifacts.patchset import PatchSet
-from ..errors import DdtreeOpsError, DeployFailed, Interrupted, PreflightError, RollbackFailed
+from ..errors import DdtreeOpsError, DeployFailed, Interrupted, LeaseLost, PreflightError, RollbackFailed
 from ..gates.router import SmgRouter
 from ..host.session import HostSession
 from .describe import describe_failure
@@ -55,6 +55,8 @@ def host_error(run: DeployRun, end: DeployEnd, t0: float) -> DdtreeOpsError:
     row where the host is back and healthy)."""
     rb, release = run.node0, run.releases[0]
     h, step, message = rb.host.name, end.failed_step, end.message
+    if isinstance(end.exc, LeaseLost):  # the host went its own way: no rollback was tried
+        return end.exc
     if end.left:
         if end.left_error is not None:
             message += f" (recording the failure failed too: {end.left_error})"
@@ -62,6 +64,8 @@ def host_error(run: DeployRun, end: DeployEnd, t0: float) -> DdtreeOpsError:
                               f"`ddtree-ops rollback --limit {h}` to restore the previous release.")
     if end.rollback_errors:
         e = end.rollback_errors[0][1]
+        if isinstance(e, LeaseLost):
+            return e
         return RollbackFailed(f"{h}: deploy failed at {step} ({message}) and the rollback failed too: {e}. The "
                               f"journal on the host records release {release.id}; a person must look, then run "
                               f"`ddtree-ops rollback --limit {h}`.")

@@ -7,7 +7,7 @@ entry and the health gate; ranks >= 1 answer 200 on /health whatever their state
 checked to be running. Before the phases: take every node's lock, repair an interrupted run,
 preflight every node (one refusal refuses the server), measure the baseline on node 0. From the
 first change on, one transaction: whatever goes wrong (a failed step, a lost connection, a bug,
-Ctrl-C) rolls every started node back, highest rank first, rank 0 last.
+Ctrl-C, SIGTERM, SIGHUP) rolls every started node back, highest rank first, rank 0 last.
 
 The rollback of one node is the same executor over `rollback.ROLLBACK` (choose and verify the
 backups, journal, restore); a server runs it on each node in `ROLLBACK_ORDER`, each node on its own.
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from ..artifacts.patchset import PatchSet
-from ..errors import DdtreeOpsError
-from .describe import describe_failure
+from ..errors import DdtreeOpsError, LeaseLost
+from .describe import describe_failure, interrupt_label
 from .events import EventSink, Failed
 from .options import DeployOptions
 from .phases import Release, Runbook
@@ -206,10 +206,11 @@ def fail(run: DeployRun, exc: BaseException, report: EventSink) -> DeployEnd:
     failed_step, message, log = describe_failure(busy, exc)
     end = DeployEnd(exc, failed_step, message, log)
     if run.server and end.interrupted:
-        end.failed_step = "interrupted (Ctrl-C)"
+        end.failed_step = f"interrupted ({interrupt_label(end.exc)})"
     if run.opts.no_rollback and not end.interrupted and not run.server:
         return leave(run, end)
     report(Failed(run.server or busy.host.name, end.failed_step, message,
+                  "the host rolls itself back" if isinstance(exc, LeaseLost) else
                   "rolling back every node" if run.server else "rolling back"))
     for i in [i for i in ROLLBACK_ORDER.order(len(run.nodes)) if i in run.started]:
         n, r = run.nodes[i], run.releases[i]

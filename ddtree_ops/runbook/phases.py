@@ -18,12 +18,13 @@ from ..artifacts.patchset import PatchSet
 from ..artifacts.units import render_unit
 from ..config.redaction import SECRET_NAME_WORDS
 from ..config.schema import is_valid_unit_name
-from ..errors import CorruptJournal, RemoteCommandError, RollbackFailed, UnreachableError
+from ..errors import CorruptJournal, LeaseLost, RemoteCommandError, RollbackFailed, UnreachableError
 from ..gates.health import HealthFailure, drain, health_gate, soak, wait_until_serving
 from ..gates.router import SmgRouter
 from ..gates.startup import PhaseTracker, Transition
 from ..host.agent.protocol import BackupPath, InstallFile, LaunchCheck
 from ..host.gpus import GpuApp
+from ..host.heal_note import HEAL_STEP, heal_note, unreported_heal
 from ..host.journal import journal_problem
 from ..host.release_store import LockHolder, b64, new_release_id
 from ..host.services import UnitState
@@ -99,6 +100,8 @@ class Runbook:
     def unlock(self, lock: LockHolder) -> None:
         try:
             self.store.release_lock(lock)
+        except LeaseLost:
+            pass  # the host let the lock go by itself; this run says so already
         except Exception as e:  # the result matters more; a left lock is reported with its holder
             self.log.note(f"warning: could not release the deploy lock: {e}")
 
@@ -107,6 +110,7 @@ class Runbook:
         """The host's journal, checked: CorruptJournal (exit 4) for one that cannot be read or
         that this tool did not write, since repairing from a guess could make things worse."""
         facts = self.store.facts([])
+        self.report_host_heal(facts.get("host_heal"))
         problem = facts.get("journal_error") or journal_problem(facts.get("journal"))
         if problem:
             path = f"{self.host.state_dir}/journal.json"
@@ -116,6 +120,20 @@ class Runbook:
                 f"`ddtree-ops history --host {self.host.name}`), put it right, then move the journal aside "
                 f"(`mv {path} {path}.corrupt`) and run again (see docs/guarantees.md, 'corrupt journal').")
         return facts.get("journal")
+
+    def report_host_heal(self, record: Any) -> None:
+        """The host healed itself since the last deploy or rollback (its controller was lost): a
+        step says what it did, once; the healed release's record marks it seen."""
+        heal = unreported_heal(record)
+        if not heal:
+            return
+        self.step(HEAL_STEP, heal_note(heal))
+        if not isinstance(heal.get("release"), str):
+            return
+        try:
+            self.store.write_release(heal["release"], host_heal_reported=heal.get("at"))
+        except (RemoteCommandError, UnreachableError) as e:
+            self.warnings.append(f"the host's heal could not be marked as reported: {e}")
 
     def repair_interrupted(self) -> str | None:
         """A journal means a deploy or a rollback was interrupted: roll that deploy back, or finish
@@ -429,7 +447,11 @@ class Runbook:
 
     def reconnecting(self, window_s: float, fn: Callable[[], Any], what: str = "carry on") -> Any:
         """Run `fn` (idempotent), reconnecting and running it again while the connection is lost,
-        for up to `window_s` seconds. A reconnect takes the operation's lock again."""
+        for up to `window_s` seconds. A reconnect takes the operation's lock again, from the
+        operation's own agent if it still holds it. LeaseLost, before `fn` starts or whenever the
+        lease runs out: the host goes its own way (it rolls itself back) and nothing more is done
+        to it here."""
+        self.session.check_lease()
         deadline = self.session.monotonic() + window_s
         while True:
             try:
@@ -467,6 +489,7 @@ class Runbook:
             self.restore_backup("original")
         journal["step"] = "services"
         self.store.journal(**journal)
+        self.session.hooks.pause("rollback-services")
         self.services.daemon_reload()
         self.restore_services(journal["active_before"], journal["enabled_before"])
         self.store.set_current(journal.get("to"))

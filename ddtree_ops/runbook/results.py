@@ -34,7 +34,7 @@ class Outcome(str, enum.Enum):
     DEPLOYED = "deployed"  # the new release runs and passed the health gate
     UNCHANGED = "unchanged"  # already as asked; nothing done
     ROLLED_BACK = "rolled_back"  # deploy failed and the host is back, healthy; or `rollback` succeeded
-    INTERRUPTED = "interrupted"  # Ctrl-C: rolled back, or stopped before any change
+    INTERRUPTED = "interrupted"  # Ctrl-C, SIGTERM or SIGHUP: rolled back, or stopped before any change
     REVERTED = "reverted"  # deployed, then rolled back because the rollout was aborted
     REFUSED = "refused"  # bad input or preflight refusal: nothing changed
     LOCKED = "locked"  # another run holds the host's deploy lock

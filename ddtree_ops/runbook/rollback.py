@@ -13,10 +13,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import DdtreeOpsError, InputError, RollbackFailed
+from ..errors import DdtreeOpsError, InputError, LeaseLost, RollbackFailed
 from ..gates.router import SmgRouter
 from ..host.release_store import LockHolder
 from ..host.session import HostSession
+from .describe import interrupt_label
 from .engine import Nodes, Phase, run_phases
 from .events import EventSink, quiet
 from .options import DeployOptions
@@ -97,8 +98,10 @@ def _restore(r: RollbackRun, i: int) -> None:
     rb = r.nodes[i]
     try:
         rb.reconnecting(r.opts.reconnect_s, lambda: rb.finish_rollback(r.journal), "finish the rollback")
+    except LeaseLost:
+        raise  # the host finishes the rollback itself (or was left as it was): its own message says so
     except (Exception, KeyboardInterrupt) as e:
-        what = ("interrupted (Ctrl-C)" if isinstance(e, KeyboardInterrupt) else str(e)
+        what = (f"interrupted ({interrupt_label(e)})" if isinstance(e, KeyboardInterrupt) else str(e)
                 if isinstance(e, (StepFailed, DdtreeOpsError)) else f"{type(e).__name__}: {e}")
         raise RollbackFailed(f"{rb.host.name}: rollback failed at {r.journal.get('step')}: {what}; the journal on "
                              f"the host records it: a person must look, then run `ddtree-ops rollback --limit "

@@ -1,22 +1,18 @@
 """`ddtree-ops sandbox up|status|down`: local test hosts from the command line.
 
 Mounted by `ddtree_ops.cli.commands` through the `ddtree_ops.cli_plugins` entry point
-(pyproject.toml): `plugin()` is the group, or, without the `sandbox` extra, commands that say how
-to get it and exit 2.
+(pyproject.toml): `plugin()` is the group. What the machine lacks to run hosts (root, systemd-nspawn,
+sshd, ...) is named by `up`, exit 2.
 """
 
 from __future__ import annotations
 
-import sys
-
 import typer
 
 from ddtree_ops.cli.common import emit_json, guard
-from ddtree_ops.errors import EXIT_BAD_INPUT, EXIT_ERROR
+from ddtree_ops.errors import EXIT_ERROR
 
-from . import SANDBOX_EXTRA_HINT, sandbox_extra_installed
-
-sandbox_app = typer.Typer(help="Local test hosts (network namespaces with sshd, systemctl and SGLang files).",
+sandbox_app = typer.Typer(help="Local test hosts (containers with real systemd, sshd and the SGLang files).",
                           no_args_is_help=True)
 
 
@@ -114,19 +110,6 @@ def _print_sandbox(rows: list[dict]) -> None:
     console().print(t)
 
 
-def _extra_missing_app() -> typer.Typer:
-    missing = typer.Typer(help="Local test hosts: needs the `sandbox` extra.", no_args_is_help=True)
-
-    def extra_missing() -> None:
-        print(f"error: {SANDBOX_EXTRA_HINT}", file=sys.stderr)
-        raise typer.Exit(EXIT_BAD_INPUT)
-
-    for name in ("up", "status", "down"):
-        missing.command(name, help="Needs the `sandbox` extra.", add_help_option=False,
-                        context_settings={"ignore_unknown_options": True, "allow_extra_args": True})(extra_missing)
-    return missing
-
-
 def plugin() -> typer.Typer:
     """The `sandbox` command group (entry point `ddtree_ops.cli_plugins`)."""
-    return sandbox_app if sandbox_extra_installed() else _extra_missing_app()
+    return sandbox_app

@@ -37,7 +37,7 @@ from typing import Any, Callable
 import httpx
 
 from ..config.inventory import Host, parse_inventory
-from ..errors import RemoteCommandError, UnreachableError
+from ..errors import LeaseLost, RemoteCommandError, UnreachableError
 from ..host.agent import Agent
 from ..host.channel import answer_result
 from ..host.gpus import GpuApp
@@ -97,6 +97,9 @@ class FakeHost:
         self.events: list[str] = []
         self.fail_next: dict[str, str] = {}
         self.drop_connection_at: set[str] = set()
+        # At this call the controller's lease is found lost (it was stopped for longer than the
+        # lease): this call and every later one raise LeaseLost, and none reaches the host.
+        self.lose_lease_at: set[str] = set()
         # Fail the k-th remote call (1-based) of whatever runs next: ("fail"|"drop"|"kill", k).
         self.fault_at_call: tuple[str, int] | None = None
         self.calls = 0
@@ -308,8 +311,15 @@ class FakeLink:
         self.fake = fake
         self.proc: Agent | None = None
         self.down: str | None = None
+        self._lost: LeaseLost | None = None
 
     def _point(self, name: str) -> None:
+        if self._lost is not None:
+            raise self._lost
+        if name in self.fake.lose_lease_at:
+            self.fake.lose_lease_at.discard(name)
+            self._lost = LeaseLost(f"{self.fake.host.name}: the deploy lock's lease expired (fake)")
+            raise self._lost
         if self.down:
             raise UnreachableError(f"{self.fake.host.name}: {self.down}")
         try:
@@ -332,6 +342,9 @@ class FakeLink:
 
     def http_transport(self) -> httpx.BaseTransport:
         return httpx.MockTransport(self.fake.handle_http)
+
+    def lease_lost(self) -> LeaseLost | None:
+        return self._lost
 
     def sleep(self, seconds: float) -> None:
         self.fake.clock += seconds

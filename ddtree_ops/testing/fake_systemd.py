@@ -94,6 +94,10 @@ def _systemctl(fake: FakeHost, args: list[str]) -> Answer:
         return Answer(0, "\n".join(_show_block(fake, u, props) for u in units))
     if verb == "daemon-reload":
         return Answer(0)
+    if verb == "is-active":  # the state on stdout; exit 0 only when active
+        u = fake.units.get(rest[0])
+        state = u.active if u else "inactive"
+        return Answer(0 if state == "active" else 3, state + "\n")
     unit = rest[0]
     if verb == "stop":
         fake.stop(unit)

@@ -1,11 +1,12 @@
 """The `facts` op: what the controller plans from, read in one round trip. SGLang's version,
 file facts (no hash of a secret), the unit file, the current release, the journal (or why it
-cannot be read), who holds the lock, free space."""
+cannot be read), who holds the lock, the host's last heal of itself, free space."""
 
 import os
 import sys
 
 from .files import disk_free_mb, file_facts, read_json
+from .heal import heal_record_facts
 from .lock import lock_facts
 from .protocol import Facts
 from .statedir import read_current
@@ -46,6 +47,7 @@ def op_facts(req: Facts):
         "current_release": current_release,
         **journal_facts(state),
         "lock": lock_facts(state),
+        "host_heal": heal_record_facts(state),
         "free_mb": {"site_packages": disk_free_mb(sp), "state_dir": disk_free_mb(state)},
     }
 

@@ -52,8 +52,8 @@ def _test_pause(pause, files_done):
     variable DDTREE_OPS_TEST_PAUSE_AT=between-files is set; see testing/pause_points.py): after `after` files,
     write "<pid> between-files" to `file` and wait until a test removes it, so that the tool can
     be killed between two file replacements. A heartbeat byte on stdout (JSON allows leading
-    whitespace) notices a controller that is gone (EPIPE): then exit at once, touching nothing
-    more, as a process whose connection was cut would."""
+    whitespace) notices a controller that is gone (EPIPE): then the install stops there, touching
+    nothing more, and the agent sees its controller gone (lease.py)."""
     if not pause or files_done != pause.get("after"):
         return
     with open(pause["file"], "w") as fh:
@@ -63,7 +63,7 @@ def _test_pause(pause, files_done):
         try:
             os.write(1, b" ")
         except OSError:
-            os._exit(70)
+            raise OSError("the controller is gone (test pause between files)") from None
         if time.time() > deadline:
             os._exit(71)
         time.sleep(0.05)

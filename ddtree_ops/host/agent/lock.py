@@ -1,7 +1,8 @@
 """The deploy lock: an flock on <state_dir>/deploy.lock, held by the agent process for as long as
-it lives, so a controller that is killed, closed or cut off frees it by itself (its channel
-closes, the agent reads EOF and exits, the kernel drops the flock). The file says who holds it,
-since when, doing what, and counts generations (a re-take after a reconnect must find its own)."""
+it lives. The agent lives as long as its lease (lease.py): a controller that is stopped, killed or
+cut off loses the lock within the lease, and the kernel drops the flock when the agent exits. The
+file says who holds it, since when, doing what, and counts generations: a re-take after a
+reconnect must find its own, and a lease that expired moves the generation on."""
 
 import errno
 import fcntl
@@ -61,6 +62,12 @@ class LockState:
     def __init__(self):
         self.fd = None
         self.holder = None
+        self.state_dir = None
+        self.unit = None  # the systemd unit the agent runs in, recorded with the holder
+
+    @property
+    def held(self):
+        return self.fd is not None
 
     def release(self):
         if self.fd is not None:
@@ -71,11 +78,25 @@ class LockState:
         self.fd, self.holder = None, None
 
 
+def write_holder(fd, holder):
+    data = (json.dumps(holder, sort_keys=True) + "\n").encode()
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, data, 0)
+    os.fsync(fd)
+
+
 def op_lock(req: Lock, lock):
     """Take the deploy lock for this process's lifetime. `break` (the holder's token, as shown
     to the operator) ends a holder that is still connected: its agent process is sent SIGTERM
     (which frees its flock), and the lock is taken only if nobody else took it meanwhile, so two
-    breakers with the same token cannot both win."""
+    breakers with the same token cannot both win.
+
+    A re-take after a reconnect (`resume_generation`, the same token) ends the operation's own
+    agent in the same way when it still holds the lock, waiting out its lease for this very
+    controller; it gets the lock only if that generation is still the lock's (a lease that ran
+    out moved it on: `taken_meanwhile`). Any run ends and replaces a holder whose controller's
+    connection closed (`orphaned_at`) before its lease ran out: the run repairs from the journal
+    at once, as it did when a lost connection freed the lock by itself."""
     state = req.state_dir
     ensure_state_dir(state)
     if lock.fd is not None:
@@ -90,26 +111,31 @@ def op_lock(req: Lock, lock):
     try:
         # A run that just ended (or was killed) frees the lock when its agent has read EOF and
         # exited: a moment's grace, so that the next run does not trip over it.
+        resume = req.resume_generation
         if _try_flock(fd, wait_s=float(req.wait_s)):
             seen = _read_holder(fd)
         else:
             seen = _read_holder(fd)
-            if not breaking or seen.get("token") != breaking:
+            own = _own_orphan(seen, req)
+            abandoned = _abandoned(seen) and resume is None
+            if not (own or abandoned) and (not breaking or seen.get("token") != breaking):
                 os.close(fd)
-                return LockReply(False, dict(seen, held=True))
+                return LockReply(False, dict(seen, held=True), taken_meanwhile=resume is not None)
             _end_holder(seen)
             taken = lambda: _read_holder(fd).get("generation") != seen.get("generation")  # noqa: E731
             if not _try_flock(fd, wait_s=float(req.break_wait_s), give_up=taken):
                 now = _read_holder(fd)
                 os.close(fd)
-                return LockReply(False, dict(now, held=True), break_failed=True)
+                return LockReply(False, dict(now, held=True), break_failed=not (own or abandoned),
+                                 taken_meanwhile=own)
             if _read_holder(fd).get("generation") != seen.get("generation"):
-                # Someone else held it between our SIGTERM and our flock: not ours to take.
+                # Someone else held it between our SIGTERM and our flock (or the holder's lease
+                # ran out meanwhile): not ours to take.
                 fcntl.flock(fd, fcntl.LOCK_UN)
                 now = _read_holder(fd)
                 os.close(fd)
-                return LockReply(False, dict(now, held=False), break_failed=True)
-        resume = req.resume_generation
+                return LockReply(False, dict(now, held=False), break_failed=not (own or abandoned),
+                                 taken_meanwhile=own)
         if resume is not None and seen.get("generation") != resume:
             # Re-taking the lock after a lost connection: another run held it meanwhile (and may
             # have repaired or deployed), so what this run knew about the host is stale.
@@ -117,11 +143,8 @@ def op_lock(req: Lock, lock):
             os.close(fd)
             return LockReply(False, dict(seen, held=False), taken_meanwhile=True)
         holder = dict(req.holder, generation=int(seen.get("generation") or 0) + 1, agent_pid=os.getpid(),
-                      agent_start=proc_start(os.getpid()), broke=breaking or None)
-        data = (json.dumps(holder, sort_keys=True) + "\n").encode()
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, data, 0)
-        os.fsync(fd)
+                      agent_start=proc_start(os.getpid()), agent_unit=lock.unit, broke=breaking or None)
+        write_holder(fd, holder)
     except BaseException:
         if lock.fd != fd:
             try:
@@ -129,8 +152,29 @@ def op_lock(req: Lock, lock):
             except OSError:
                 pass
         raise
-    lock.fd, lock.holder = fd, holder
+    lock.fd, lock.holder, lock.state_dir = fd, holder, state
     return LockReply(True, holder)
+
+
+def _own_orphan(seen, req):
+    """The lock is held by this very operation's earlier agent (its connection was lost): same
+    token, and the generation the controller held."""
+    token = (req.holder or {}).get("token")
+    return (req.resume_generation is not None and bool(token) and seen.get("token") == token
+            and seen.get("generation") == req.resume_generation and not seen.get("lease_expired"))
+
+
+def _abandoned(seen):
+    """The holder's controller is gone (its connection closed: the agent marked itself orphaned)
+    and the lease has not run out yet: any run may take the lock over, ending that agent, and
+    repair from the journal, rather than wait for the host to heal itself."""
+    return bool(seen.get("orphaned_at")) and not seen.get("lease_expired")
+
+
+def mark_orphaned(lock):
+    """Record in the lock file that this holder's controller connection closed."""
+    lock.holder = dict(lock.holder, orphaned_at=time.time())
+    write_holder(lock.fd, lock.holder)
 
 
 def _try_flock(fd, wait_s=0.0, give_up=lambda: False):
@@ -160,10 +204,7 @@ def _end_holder(holder):
 def op_unlock(req: Unlock, lock):
     if lock.fd is None or (lock.holder or {}).get("token") != req.token:
         return UnlockReply(False, lock.holder)
-    done = dict(lock.holder, released_at=time.time())
-    data = (json.dumps(done, sort_keys=True) + "\n").encode()
-    os.ftruncate(lock.fd, 0)
-    os.pwrite(lock.fd, data, 0)
+    write_holder(lock.fd, dict(lock.holder, released_at=time.time()))
     lock.release()
     return UnlockReply(True)
 

@@ -95,8 +95,18 @@ class Request(Message):
 
 @dataclass
 class Hello(Request):
+    """The first request: `lease_s` is how long the agent keeps the deploy lock without hearing
+    from its controller (see lease.py)."""
+
     OP = "hello"
-    idle_timeout: Optional[float] = opt()
+    lease_s: Optional[float] = opt()
+
+
+@dataclass
+class Renew(Request):
+    """The controller's heartbeat: nothing to do but renew the lease, as every request does."""
+
+    OP = "renew"
 
 
 @dataclass
@@ -268,7 +278,7 @@ class ProcInfo(Request):
 
 
 REQUESTS = {cls.OP: cls for cls in (
-    Hello, Facts, Lock, Unlock, Journal, Compile, VerifyUnit, Backup, Install, Restore, VerifyBackup,
+    Hello, Renew, Facts, Lock, Unlock, Journal, Compile, VerifyUnit, Backup, Install, Restore, VerifyBackup,
     RemovePartial, ReleaseWrite, SetCurrent, History, Prune, Run, LaunchCheck, ProcInfo)}
 
 
@@ -286,6 +296,7 @@ def decode_request(doc: Any) -> Request:
 class HelloReply(Message):
     pid: int
     python: str
+    unit: Optional[str] = opt()  # the transient systemd unit the agent runs in (None: the SSH session)
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Each host's files (venv, units, sshd, systemctl wrappers, boot.sh) and the sandbox inventory."""
+"""Each host's files (venv, units, sshd, its /etc overlay) and the sandbox inventory."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import sys
+import uuid
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -15,18 +16,19 @@ import yaml
 
 from ddtree_ops.config.inventory import Host
 
-from .boot import BOOT_SCRIPT, boot_script
 from .layout import (
     DDTREE_UNIT,
     DFLASH_UNIT,
+    SANDBOX_RUN,
     SECRETS_CONFIG,
     SERVER_PORT,
     SITE_PACKAGES,
+    SSHD_UNIT,
     STANDIN_MODULE,
     VENV_PATH,
     SandboxHost,
 )
-from .prerequisites import SFTP_SERVER, journalctl3, systemctl3
+from .prerequisites import SFTP_SERVER, SSHD
 from .system import SYSTEM_PATH, run
 
 HOST_KEY = "ssh_host_ed25519_key"
@@ -93,13 +95,14 @@ def multinode_inventory(doc: dict[str, Any], names: list[str], group: str = "ser
 
 
 # The sandbox hosts have no GPU. Their `nvidia-smi` (on the PATH sshd gives sessions) lists the
-# processes that registered GPU memory in GPU_DIR (a file per PID holding "MiB START": the
+# processes that registered GPU memory in GPU_DIR (a file per PID holding "MiB START [SERVER]",
+# SERVER: a leftover listed only once that server is gone; the
 # stand-in does, and its --standin-orphan-gpu-seconds child), as long as they are alive; only the
 # query the tool sends is answered. START is the registrant's start time (field 22 of
 # /proc/PID/stat): a killed stand-in leaves its file behind, and once its PID is reused by
 # another process (the controller itself, under a busy test run) that process must not be listed.
-GPU_BIN = "/run/ddtree-sandbox/bin"
-GPU_DIR = "/run/ddtree-sandbox/gpu"
+GPU_BIN = f"{SANDBOX_RUN}/bin"
+GPU_DIR = f"{SANDBOX_RUN}/gpu"
 NVIDIA_SMI = f"""import os, sys
 if "--query-compute-apps=pid,used_memory" not in sys.argv:
     sys.exit("sandbox nvidia-smi: only --query-compute-apps=pid,used_memory --format=csv,noheader,nounits")
@@ -112,6 +115,8 @@ for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
         mib = int(entry[0]) if entry else 0
     except (OSError, ValueError, IndexError):
         continue
+    if len(entry) > 2 and os.path.exists(f"/proc/{{entry[2]}}"):
+        continue  # a leftover of a server that still runs: it holds nothing of its own yet
     if fields[0] != "Z" and (len(entry) < 2 or entry[1] == fields[19]):
         print(f"{{name}}, {{mib}}")
 """
@@ -142,67 +147,129 @@ def _base_python() -> str:
 
 def _tool_site_packages() -> str:
     """This environment's site-packages: ddtree-ops itself (installed, or the editable install's
-    finder for a checkout), torch, the systemctl replacement."""
+    finder for a checkout), torch."""
     return next(p for p in sys.path if p.endswith("site-packages") and p.startswith(sys.prefix))
 
 
+# The folders of HOST_DIR bound into the host at production paths (see container.py), and the
+# sandbox's own folder at SANDBOX_RUN. A reset in place empties them (never deletes them: the
+# running container holds each by its inode) and writes them anew; var-log keeps the journal.
+BOUND = ("etc-systemd-system", "var-lib", "opt", "run")
+
+
+def site_mount_unit() -> str:
+    """The name of the mount unit of the host's site-packages (systemd-escape of the path)."""
+    return run(["systemd-escape", "--path", "--suffix=mount", SITE_PACKAGES]).stdout.strip()
+
+
+def _empty(folder: Path, keep: tuple[str, ...] = ()) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for child in folder.iterdir():
+        if child.name in keep:
+            continue
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+
+
 def _prepare_host_files(h: SandboxHost, host: Host, client_pub: Path,
-                        host_key: dict[str, bytes] | None = None) -> str:
-    """(Re)create HOST_DIR in the state before a DDTree deploy; returns the known_hosts line.
-    `host_key` (file name → bytes) keeps the host's key across a reset."""
+                        host_key: dict[str, bytes] | None = None, *, in_place: bool = False) -> str:
+    """HOST_DIR in the state before a DDTree deploy; returns the known_hosts line. `host_key`
+    (file name → bytes) keeps the host's key across a reset. `in_place`: the host is running
+    (its units and site-packages mount stopped); only the bound folders' contents are rewritten,
+    the journal and /etc's overlay stay."""
     from ddtree_ops.artifacts.units import render_unit
 
     d = Path(h.dir)
-    shutil.rmtree(d, ignore_errors=True)
-    for sub in ("etc-systemd-system/multi-user.target.wants", "var-log/journal", "var-lib",
-                "opt", "ssh", "bin"):
-        (d / sub).mkdir(parents=True, exist_ok=True)
+    if not in_place:
+        shutil.rmtree(d, ignore_errors=True)
+        (d / "var-log" / "journal").mkdir(parents=True)
+        write_etc_overlay(d / "etc-upper", h)
+    for sub in BOUND:
+        # site-tree is where the wheel tree is bound in: a new folder would not be that mount.
+        _empty(d / sub, keep=("site-tree",))
+    run_dir = d / "run"
+    for sub in ("bin", "gpu", "site-upper", "site-work", "site-tree"):
+        (run_dir / sub).mkdir(exist_ok=sub == "site-tree")
+    units = d / "etc-systemd-system"
+    (units / "multi-user.target.wants").mkdir()
     # A real venv, relocated by a bind mount to /opt/venv_sglang inside the host.
     venv = d / "opt" / "venv_sglang"
     run([_base_python(), "-m", "venv", "--without-pip", str(venv)])
-    # site-packages is an overlay inside the host (boot.sh): the cached wheel tree below (never
-    # written), this host's changes above. Real files to every reader, and a reset is an empty
-    # folder instead of copying 6,000 files.
-    (d / "site-upper").mkdir()
-    (d / "site-work").mkdir()
+    # site-packages is an overlay inside the host (a mount unit, see container.py): the cached wheel
+    # tree below (never written), this host's changes above. Real files to every reader, and a reset
+    # is an empty folder instead of copying 6,000 files.
     # The tool's own environment (the whole ddtree_ops package with the stand-in, torch) behind
     # the real files: upstream sglang stays first on sys.path, exactly as in the production venv.
-    (d / "site-upper" / "zz-ddtree-ops-sandbox.pth").write_text(
+    (run_dir / "site-upper" / "zz-ddtree-ops-sandbox.pth").write_text(
         f"import site; site.addsitedir({_tool_site_packages()!r})\n")
 
     # Units: the DFlash server runs; the DDTree unit is there at its old settings, stopped.
     old = replace(host, budget=7, topk_cap=1)
-    (d / "etc-systemd-system" / DDTREE_UNIT).write_text(render_unit(old))
-    (d / "etc-systemd-system" / DFLASH_UNIT).write_text(
-        render_unit(replace(host, template="sglang-dflash.service.j2")))
-    os.symlink(f"/etc/systemd/system/{DFLASH_UNIT}",
-               d / "etc-systemd-system" / "multi-user.target.wants" / DFLASH_UNIT)
+    (units / DDTREE_UNIT).write_text(render_unit(old))
+    (units / DFLASH_UNIT).write_text(render_unit(replace(host, template="sglang-dflash.service.j2")))
+    os.symlink(f"/etc/systemd/system/{DFLASH_UNIT}", units / "multi-user.target.wants" / DFLASH_UNIT)
 
     # sshd: own host key, root by key only.
     if host_key:
         for fname, data in host_key.items():
-            (d / "ssh" / fname).write_bytes(data)
-        os.chmod(d / "ssh" / HOST_KEY, 0o600)
+            (run_dir / fname).write_bytes(data)
     else:
-        run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", h.name, "-f", str(d / "ssh" / HOST_KEY)])
-    shutil.copy(client_pub, d / "ssh" / "authorized_keys")
-    (d / "ssh" / "sshd_config").write_text(
+        run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", h.name, "-f", str(run_dir / HOST_KEY)])
+    os.chmod(run_dir / HOST_KEY, 0o600)
+    shutil.copy(client_pub, run_dir / "authorized_keys")
+    (run_dir / "sshd_config").write_text(
         f"ListenAddress {h.address}\nPort 22\n"
-        f"HostKey /run/ddtree-sandbox/{HOST_KEY}\n"
+        f"HostKey {SANDBOX_RUN}/{HOST_KEY}\n"
         "PidFile /run/sshd.pid\n"
-        "AuthorizedKeysFile /run/ddtree-sandbox/authorized_keys\n"
+        f"AuthorizedKeysFile {SANDBOX_RUN}/authorized_keys\n"
         "PermitRootLogin prohibit-password\nPasswordAuthentication no\n"
         "KbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\nPrintMotd no\n"
         "MaxSessions 64\nMaxStartups 64:30:128\n"
         f"Subsystem sftp {SFTP_SERVER}\n"
         f"SetEnv PATH={GPU_BIN}:{SYSTEM_PATH}\n"
     )
-    (d / "bin" / "systemctl").write_text(
-        f"#!/bin/sh\nexec {sys.executable} {systemctl3()} -c MinimumYield=0.1 \"$@\"\n")
-    (d / "bin" / "journalctl").write_text(f"#!/bin/sh\nexec {sys.executable} {journalctl3()} \"$@\"\n")
-    (d / "bin" / "nvidia-smi").write_text(f"#!{sys.executable}\n" + NVIDIA_SMI)
-    for f in ("systemctl", "journalctl", "nvidia-smi"):
-        os.chmod(d / "bin" / f, 0o755)
-    (d / BOOT_SCRIPT).write_text(boot_script())
-    pub = (d / "ssh" / f"{HOST_KEY}.pub").read_text().split()
+    (run_dir / "bin" / "nvidia-smi").write_text(f"#!{sys.executable}\n" + NVIDIA_SMI)
+    os.chmod(run_dir / "bin" / "nvidia-smi", 0o755)
+    pub = (run_dir / f"{HOST_KEY}.pub").read_text().split()
     return f"{h.address} {pub[0]} {pub[1]}\n"
+
+
+def host_key_files(h: SandboxHost) -> dict[str, bytes]:
+    """The host's sshd key pair (file name → bytes), to keep across a reset."""
+    run_dir = Path(h.dir) / "run"
+    return {f: (run_dir / f).read_bytes() for f in (HOST_KEY, f"{HOST_KEY}.pub")}
+
+
+def write_etc_overlay(upper: Path, h: SandboxHost) -> None:
+    """The host's own /etc on top of the machine's (an overlay): its machine id and name, its
+    sshd unit (Debian's ssh.service masked: it reads the machine's /etc/ssh), the site-packages
+    mount, and the runtime folders the sandbox's files need. Sandbox plumbing lives in
+    /etc/systemd/system.control so that /etc/systemd/system holds exactly what production has."""
+    control = upper / "systemd" / "system.control"
+    for sub in ("local-fs.target.wants", "multi-user.target.wants"):
+        (control / sub).mkdir(parents=True)
+    (upper / "machine-id").write_text(uuid.uuid4().hex + "\n")
+    (upper / "hostname").write_text(h.name + "\n")
+    (upper / "tmpfiles.d").mkdir()
+    (upper / "tmpfiles.d" / "ddtree-sandbox.conf").write_text("d /run/sshd 0755 root root -\n")
+    os.symlink("/dev/null", control / "ssh.service")
+    (control / SSHD_UNIT).write_text(
+        "[Unit]\nDescription=OpenSSH server of the sandbox host\nAfter=network.target\n\n"
+        "[Service]\n"
+        f"ExecStartPre=/usr/bin/mkdir -p -m 0755 /run/sshd\n"
+        f"ExecStart={SSHD} -D -e -f {SANDBOX_RUN}/sshd_config\n"
+        "ExecReload=/bin/kill -HUP $MAINPID\n"
+        # As Debian's ssh.service: restarting sshd leaves the sessions (and their agents) alone.
+        "KillMode=process\nRestart=on-failure\nRestartSec=1\n\n"
+        "[Install]\nWantedBy=multi-user.target\n")
+    os.symlink(f"../{SSHD_UNIT}", control / "multi-user.target.wants" / SSHD_UNIT)
+    mount = site_mount_unit()
+    (control / mount).write_text(
+        "[Unit]\nDescription=site-packages of the host venv: the sglang wheel below, this host's changes above\n"
+        "DefaultDependencies=no\nConflicts=umount.target\nBefore=local-fs.target umount.target\n\n"
+        f"[Mount]\nWhat=ddtree-site\nWhere={SITE_PACKAGES}\nType=overlay\n"
+        f"Options=lowerdir={SANDBOX_RUN}/site-tree,upperdir={SANDBOX_RUN}/site-upper,"
+        f"workdir={SANDBOX_RUN}/site-work\n")
+    os.symlink(f"../{mount}", control / "local-fs.target.wants" / mount)

@@ -19,6 +19,12 @@ STANDIN_MODULE = "ddtree_ops.testing.standin"
 # Where `write_secrets_config` puts a host's secrets_config (the YAML file SGLang's --config reads
 # the API key from). Under /var/lib, which is the host's own; a real host would use /etc/sglang.
 SECRETS_CONFIG = "/var/lib/sglang-secrets/ddtree-secrets.yaml"
+# Inside a host: the sandbox's own files (sshd's config and key, the fake nvidia-smi, the GPU
+# registry, the layers of the site-packages overlay), a folder of HOST_DIR bound in by nspawn.
+SANDBOX_RUN = "/run/ddtree-sandbox"
+# The host's sshd: a unit of its own (Debian's ssh.service is masked: it would read the machine's
+# /etc/ssh and its host keys).
+SSHD_UNIT = "ddtree-sandbox-sshd.service"
 
 
 @dataclass
@@ -28,8 +34,8 @@ class SandboxHost:
     netns: str
     veth: str
     dir: str
-    sshd_pid: int | None = None
-    init_pid: int | None = None
+    # systemd-nspawn, whose child is the container's PID 1 (real systemd).
+    container_pid: int | None = None
 
     @property
     def address(self) -> str:

@@ -15,17 +15,15 @@ from typing import Any
 from ddtree_ops.config.inventory import load_inventory
 from ddtree_ops.host.localproc import pid_alive
 
-from . import smg
-from .boot import boot
+from . import container, smg
 from .errors import SandboxError
-from .hostfiles import HOST_KEY, _prepare_host_files, inventory_doc, write_inventory
-from .layout import SandboxHost
+from .hostfiles import _prepare_host_files, host_key_files, inventory_doc, site_mount_unit, write_inventory
+from .layout import DDTREE_UNIT, DFLASH_UNIT, SSHD_UNIT, SandboxHost
 from .namespaces import (
     ALLOC_LOCK,
     NETNS_DIR,
     _free_subnets,
     _is_mountpoint,
-    check_not_mounted_over,
     delete_netns,
     make_netns,
     release_netns_mount,
@@ -66,8 +64,10 @@ class Sandbox:
 
     # -- up ----------------------------------------------------------------------------------
     def up(self, n_hosts: int = 2, *, load_seconds: float = 0.5, timeout_s: float = 60.0,
-           multinode: int = 0, router: bool = False) -> list[dict]:
+           multinode: int = 0, router: bool = False, shared: tuple[str, ...] = ()) -> list[dict]:
         """`multinode=N`: the last N hosts form one multi-node server (group `server1`).
+        `shared`: folders of this machine every host sees read-write at the same path (a test
+        suite's temp folder, where the tool's test hooks on a host write their pause markers).
         `router`: a real smg in front of the hosts' servers (see smg.py); the inventory gets a
         `router:` section naming it, and its key is in `router_key_file`."""
         if not 1 <= n_hosts <= 32:
@@ -77,9 +77,7 @@ class Sandbox:
         missing = missing_prerequisites() + ([m] if router and (m := smg.smg_missing()) else [])
         if missing:
             raise SandboxError("cannot create sandbox hosts; missing:\n  - " + "\n  - ".join(missing))
-        check_not_mounted_over(self.dir)
         site_tree = sglang_site_tree()
-        check_not_mounted_over(site_tree.resolve(), "the sglang wheel cache (DDTREE_OPS_CACHE)")
         if self._load_state() is not None:
             self.down()  # running `up` again replaces the previous hosts cleanly
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -89,6 +87,7 @@ class Sandbox:
         state: dict[str, Any] = {
             "id": sid, "created": time.time(), "hosts": [],
             "netns_mount_preexisting": _is_mountpoint(NETNS_DIR),
+            "shared": [str(Path(p).resolve()) for p in shared],
         }
         self._save_state(state)  # from here on, `down` can clean up whatever exists
         try:
@@ -116,10 +115,12 @@ class Sandbox:
                            for h in hosts]
             self.known_hosts.write_text("".join(known_lines))
             os.chmod(self.known_hosts, 0o600)
-            for h in hosts:
-                boot(h, site_tree)
-                state["hosts"] = [asdict(x) for x in hosts]
-                self._save_state(state)
+            # Booted side by side: each container waits mostly on its own systemd.
+            booting = [(h, container.start(h, site_tree, state["shared"])) for h in hosts]
+            state["hosts"] = [asdict(x) for x in hosts]
+            self._save_state(state)
+            for h, proc in booting:
+                container.wait_booted(h, proc)
             wait_healthy(hosts, inv, timeout_s)
             if router_port:
                 # Each server once: rank 0 of a multi-node server (the other ranks serve nothing).
@@ -159,23 +160,74 @@ class Sandbox:
             p.unlink(missing_ok=True)
         run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "ddtree-ops-sandbox", "-f", str(self.client_key)])
 
-    def reset_host(self, name: str) -> None:
-        """Put one host back in its "before deploy" state: every process in it ended, its files
-        rebuilt from the inventory, booted again. Its host key is kept (known_hosts stays valid)."""
-        inv = load_inventory(self.inventory_path)
-        state = self._load_state() or {}
-        hosts = self.hosts()
-        h = next((x for x in hosts if x.name == name), None)
+    def _host(self, name: str) -> SandboxHost:
+        h = next((x for x in self.hosts() if x.name == name), None)
         if h is None:
             raise SandboxError(f"no sandbox host {name!r} in {self.dir}")
-        _kill_namespace_processes(h)
-        key_dir = Path(h.dir) / "ssh"
-        saved = {f: (key_dir / f).read_bytes() for f in (HOST_KEY, f"{HOST_KEY}.pub")}
-        _prepare_host_files(h, inv.hosts[name], self.client_key.with_suffix(".pub"), host_key=saved)
-        boot(h, sglang_site_tree())
-        state["hosts"] = [asdict(x) for x in hosts]
-        self._save_state(state)
+        return h
+
+    def reset_host(self, name: str) -> None:
+        """Put one host back in its "before deploy" state: its units, sessions and agents ended,
+        its files rebuilt from the inventory, DFlash serving again. Done in place (systemd keeps
+        running: seconds faster than a reboot); a host that cannot be reset in place (its
+        container gone, a step failing) is rebooted from fresh files. Its host key is kept
+        (known_hosts stays valid)."""
+        inv = load_inventory(self.inventory_path)
+        h = self._host(name)
+        pub = self.client_key.with_suffix(".pub")
+        try:
+            self._reset_in_place(h, inv.hosts[name], pub)
+        except SandboxError:
+            self._reboot(h, inv.hosts[name], pub)
         wait_healthy([h], inv, 60)
+
+    def _reset_in_place(self, h: SandboxHost, host, client_pub: Path) -> None:
+        if container.leader(h) is None:
+            raise SandboxError(f"{h.name}: not running")
+        mount = site_mount_unit()
+        # Every process a test or the tool left: the units (and their children, by cgroup), the
+        # tool's transient units, and every SSH session (sshd's cgroup; the listener comes back).
+        container.inside(h, ["systemctl", "stop", DDTREE_UNIT, DFLASH_UNIT, "ddtree-ops-*", "ddtree-sandbox-orphan-*"],
+                         check=False)
+        for unit in (SSHD_UNIT, DDTREE_UNIT, DFLASH_UNIT):
+            container.kill_cgroup(h, unit)
+        container.inside(h, ["systemctl", "stop", mount])
+        key = host_key_files(h)
+        _prepare_host_files(h, host, client_pub, host_key=key, in_place=True)
+        container.inside(h, ["systemctl", "daemon-reload"])
+        container.inside(h, ["systemctl", "reset-failed"], check=False)
+        container.inside(h, ["systemctl", "start", mount, SSHD_UNIT, DFLASH_UNIT])
+
+    def _reboot(self, h: SandboxHost, host, client_pub: Path) -> None:
+        key = host_key_files(h)
+        _kill_namespace_processes(h)
+        _prepare_host_files(h, host, client_pub, host_key=key)
+        state = self._load_state() or {}
+        proc = container.start(h, sglang_site_tree(), state.get("shared", []))
+        state["hosts"] = [asdict(h) if x["name"] == h.name else x for x in state.get("hosts", [])]
+        self._save_state(state)
+        container.wait_booted(h, proc)
+
+    # -- inside a host (for tests and status) ------------------------------------------------
+    def inside(self, name: str, argv: list[str], check: bool = True):
+        """`argv` run as root inside host `name` (not over SSH): a CompletedProcess."""
+        return container.inside(self._host(name), argv, check=check)
+
+    def stop_sshd(self, name: str) -> None:
+        """The host unreachable over SSH: its sshd unit stopped and every session ended."""
+        self.inside(name, ["systemctl", "stop", SSHD_UNIT])
+        container.kill_cgroup(self._host(name), SSHD_UNIT)
+
+    def start_sshd(self, name: str) -> None:
+        """The host's sshd started again; returns once it listens."""
+        h = self._host(name)
+        self.inside(name, ["systemctl", "reset-failed", SSHD_UNIT], check=False)
+        self.inside(name, ["systemctl", "start", SSHD_UNIT])
+        deadline = time.monotonic() + 20
+        while not _port_open(h.address, 22, 0.3):
+            if time.monotonic() > deadline:
+                raise SandboxError(f"{name}: sshd did not listen again within 20 s")
+            time.sleep(0.05)
 
     # -- status ------------------------------------------------------------------------------
     def status(self) -> list[dict]:
@@ -198,7 +250,7 @@ class Sandbox:
                 "identity_file": host.identity_file, "known_hosts": host.known_hosts,
                 "site_packages": host.site_packages, "unit": host.unit, "conflicts": list(host.conflicts),
                 "base_url": host.base_url, "netns": h.netns,
-                "sshd_up": pid_alive(h.sshd_pid) and _port_open(host.address, host.ssh_port, 0.5),
+                "sshd_up": pid_alive(h.container_pid) and _port_open(host.address, host.ssh_port, 0.5),
                 "ssh_ok": False, "units": {}, "active_unit": None, "health": None, "health_up": False,
             }
             try:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from pathlib import Path
 
 from .errors import SandboxError
 from .layout import SandboxHost
@@ -12,17 +11,7 @@ from .system import run
 
 # Held while subnets are chosen and claimed, so concurrent `sandbox up`s never pick the same one.
 ALLOC_LOCK = "/run/lock/ddtree-ops-sandbox.lock"
-# Paths each host mounts over (boot.sh): the sandbox folder must not live under them.
-MOUNTED_OVER = ("/etc/systemd/system", "/var/log", "/var/lib", "/opt", "/run", "/usr/lib/systemd/system")
 NETNS_DIR = "/run/netns"
-
-
-def check_not_mounted_over(directory: Path, what: str = "--dir") -> None:
-    """Refuse a folder the hosts need that would be hidden by their own mounts."""
-    for p in MOUNTED_OVER:
-        if directory == Path(p) or str(directory).startswith(p + "/"):
-            raise SandboxError(f"{what} {directory} lies under {p}, which each host mounts over; "
-                               "choose another folder")
 
 
 def _free_subnets(n: int) -> list[int]:

@@ -1,27 +1,21 @@
-"""The processes of a host: finding them by namespace, ending them, waiting for them to serve."""
+"""The processes of a host: found by its network namespace, ended by PID, waited for to serve."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
-import socket
 import time
-from pathlib import Path
 
 from ddtree_ops.host.localproc import pid_alive
 
+from . import container
 from .errors import SandboxError
 from .layout import DFLASH_UNIT, SandboxHost
 from .namespaces import NETNS_DIR
+from .system import port_open as _port_open
 
-
-def _port_open(addr: str, port: int, timeout: float) -> bool:
-    try:
-        with socket.create_connection((addr, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
+__all__ = ["_kill_namespace_processes", "_namespace_pids", "_port_open", "wait_healthy"]
 
 
 def _ns_id(pid: int | str, kind: str) -> str | None:
@@ -32,35 +26,28 @@ def _ns_id(pid: int | str, kind: str) -> str | None:
 
 
 def _namespace_pids(h: SandboxHost) -> list[int]:
-    """PIDs living in this host's network namespace or in sshd's mount namespace."""
-    targets = set()
-    with contextlib.suppress(OSError):
-        targets.add(("net", f"net:[{os.stat(f'{NETNS_DIR}/{h.netns}').st_ino}]"))
-    if h.sshd_pid and pid_alive(h.sshd_pid):
-        mnt = _ns_id(h.sshd_pid, "mnt")
-        if mnt and mnt != _ns_id("self", "mnt"):
-            targets.add(("mnt", mnt))
-    if not targets:
-        return []
+    """PIDs living in this host's network namespace (every process of its container), plus
+    systemd-nspawn itself."""
+    try:
+        target = f"net:[{os.stat(f'{NETNS_DIR}/{h.netns}').st_ino}]"
+    except OSError:
+        target = None
     me = os.getpid()
-    pids = []
+    pids = [h.container_pid] if h.container_pid and pid_alive(h.container_pid) else []
+    if target is None:
+        return pids
     for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
-            continue
-        for kind, ident in targets:
-            if _ns_id(entry, kind) == ident:
-                pids.append(int(entry))
-                break
+        if entry.isdigit() and int(entry) != me and int(entry) not in pids and _ns_id(entry, "net") == target:
+            pids.append(int(entry))
     return pids
 
 
 def _kill_namespace_processes(h: SandboxHost) -> int:
-    """SIGTERM, then SIGKILL, every process in the host's namespaces; returns how many ended.
-
-    Rescans between rounds: the supervisor may fork a restart while we are stopping it.
-    """
-    ended: set[int] = set()
-    for sig in (signal.SIGTERM, signal.SIGTERM, signal.SIGKILL, signal.SIGKILL):
+    """Halt the container (systemd stops its units), then SIGTERM and SIGKILL whatever is left in
+    the host's namespace; returns how many processes there were."""
+    ended: set[int] = set(_namespace_pids(h))
+    container.halt(h)  # one that does not halt in time is killed below
+    for sig in (signal.SIGTERM, signal.SIGKILL, signal.SIGKILL):
         pids = [p for p in _namespace_pids(h) if pid_alive(p)]
         if not pids:
             break
@@ -70,7 +57,7 @@ def _kill_namespace_processes(h: SandboxHost) -> int:
             ended.add(p)
         deadline = time.monotonic() + 3.0
         while time.monotonic() < deadline:
-            # Our own children (the boot process) must be reaped here, not by PID 1.
+            # Our own children (systemd-nspawn) must be reaped here, not by PID 1.
             with contextlib.suppress(ChildProcessError):
                 while os.waitpid(-1, os.WNOHANG)[0] > 0:
                     pass
@@ -97,6 +84,5 @@ def wait_healthy(hosts: list[SandboxHost], inv, timeout_s: float) -> None:
         time.sleep(0.1)
     if pending:
         name = next(iter(pending))
-        log = Path(pending[name].dir) / "var-log" / "journal" / f"{DFLASH_UNIT}.log"
-        tail = log.read_text()[-1500:] if log.exists() else "(no log)"
+        tail = container.journal_tail(pending[name], DFLASH_UNIT)
         raise SandboxError(f"{name}: server not healthy within {timeout_s:.0f} s; last log lines:\n{tail}")

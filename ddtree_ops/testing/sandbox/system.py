@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import socket
 import subprocess
 from pathlib import Path
 
@@ -32,3 +33,12 @@ def file_lock(path: Path | str):
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def port_open(addr: str, port: int, timeout: float) -> bool:
+    """Whether something accepts a TCP connection at addr:port."""
+    try:
+        with socket.create_connection((addr, port), timeout=timeout):
+            return True
+    except OSError:
+        return False

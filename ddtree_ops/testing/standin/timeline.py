@@ -82,12 +82,14 @@ def alive():
         return open(f"/proc/{parent}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
-while alive():
-    time.sleep(0.1)
+# Registered at once, listed by nvidia-smi only once the server is gone: the memory is "held"
+# from the instant the server's unit has stopped, however fast the stop returns.
 path = os.path.join(gpu_dir, str(os.getpid()))
 start = open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19]
-open(path, "w").write(f"{mib} {start}")
+open(path, "w").write(f"{mib} {start} {parent}")
 try:
+    while alive():
+        time.sleep(0.1)
     time.sleep(linger)
 finally:
     os.unlink(path)
@@ -107,11 +109,22 @@ def hold_gpu_memory(args) -> None:
     if args.standin_orphan_gpu_seconds is not None:
         import subprocess
 
-        subprocess.run([sys.executable, "-c", _ORPHAN, d, "2000", str(os.getpid()),
-                        str(args.standin_orphan_gpu_seconds)],
-                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        argv = [sys.executable, "-c", _ORPHAN, d, "2000", str(os.getpid()), str(args.standin_orphan_gpu_seconds)]
+        subprocess.run(_outside_the_unit(argv), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
         log(f"Stand-in: once this server ends, a leftover process holds GPU memory for "
             f"{args.standin_orphan_gpu_seconds:g} s (--standin-orphan-gpu-seconds)", "TP0")
+
+
+def _outside_the_unit(argv: list[str]) -> list[str]:
+    """Under systemd, a process the server forks stays in its unit's cgroup and is killed with it;
+    what a stopped server really leaves behind holding GPU memory is outside that cgroup, so the
+    leftover gets a scope of its own (`ddtree-sandbox-orphan-PID.scope`)."""
+    import shutil
+
+    if os.path.isdir("/run/systemd/system") and shutil.which("systemd-run"):
+        return ["systemd-run", "--scope", "--quiet", f"--unit=ddtree-sandbox-orphan-{os.getpid()}", *argv]
+    return argv
 
 
 def _sleep(seconds: float) -> None:

@@ -1,0 +1,293 @@
+"""The deploy lock as a lease, fast tier: real agent processes on this machine (testing/local_agent,
+the controller's own AgentChannel over pipes) with a lease of a second or two, and a heal that only
+records its calls. The agent keeps the lock while it hears from its controller; idle past the
+lease, or hung up on without a reconnect, it heals once, moves the lock's generation on and lets
+go; a reconnect of the same operation within the lease takes the lock over without a heal."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from ddtree_ops.errors import EXIT_NEEDS_PERSON, LeaseLost
+from ddtree_ops.host.agent import BOOTSTRAP
+from ddtree_ops.host.agent.lock import LOCK_FILE, lock_facts
+from ddtree_ops.host.agent.serve import READER, UNIT_LAUNCH
+from ddtree_ops.host.agent.statedir import ensure_state_dir
+from ddtree_ops.host.agent_source import agent_source
+from ddtree_ops.host.release_store import ReleaseStore
+from ddtree_ops.testing.local_agent import agent_pid, hang_up, healed, local_agent
+
+LEASE_S = 1.0
+NEVER_S = 1000.0  # a renewal interval no test reaches: the heartbeat stays quiet
+
+
+@pytest.fixture
+def state(tmp_path: Path) -> str:
+    d = str(tmp_path / "state")
+    ensure_state_dir(d)
+    return d
+
+
+@pytest.fixture
+def heal_log(tmp_path: Path) -> str:
+    return str(tmp_path / "heal.jsonl")
+
+
+@pytest.fixture
+def agents(heal_log):
+    """agents(n, **kw) -> n channels to agents whose heal is recorded in `heal_log`; every one is
+    closed after the test."""
+    started = []
+
+    def start(n=1, *, lease_s=LEASE_S, renew_s=NEVER_S, **kw):
+        chans = []
+        for _ in range(n):
+            chans.append(local_agent(lease_s=lease_s, renew_s=renew_s, heal_log=heal_log, **kw))
+        started.extend(chans)
+        return chans
+
+    yield start
+    for ch in started:
+        ch.close()
+
+
+def lock(ch, state, token, *, resume=None, user="alice"):
+    req = {"op": "lock", "state_dir": state, "holder": {"token": token, "user": user}}
+    if resume is not None:
+        req["resume_generation"] = resume
+    return ch.call(req, 30)
+
+
+def file_holder(state) -> dict:
+    return json.loads(Path(state, LOCK_FILE).read_text())
+
+
+def wait_for(cond, timeout: float, step: float = 0.05) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(step)
+    return cond()
+
+
+def exited(pid: int) -> bool:
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return True
+    return done == pid
+
+
+# -- the agent's side --------------------------------------------------------------------------
+
+def test_renewals_keep_the_lock_past_the_length_of_the_lease(state, agents, heal_log):
+    a, b = agents(2)
+    assert lock(a, state, "t1")["acquired"]
+    for _ in range(8):  # 2.4 s: more than twice the lease, a renewal every 0.3 s
+        time.sleep(0.3)
+        a.call({"op": "renew"}, 10)
+    assert not lock(b, state, "t2", user="bob")["acquired"]
+    assert lock_facts(state)["token"] == "t1" and healed(heal_log) == []
+
+
+def test_idle_past_the_lease_the_agent_heals_once_moves_the_generation_and_lets_go(state, agents, heal_log):
+    a, b = agents(2)
+    got = lock(a, state, "t1")
+    assert got["acquired"] and got["holder"]["generation"] == 1
+    pid = agent_pid(a)
+    assert wait_for(lambda: exited(pid), 10 * LEASE_S)
+    calls = healed(heal_log)
+    assert len(calls) == 1 and calls[0]["state_dir"] == state and calls[0]["pid"] == pid
+    assert "no request from the controller for 1 s" in calls[0]["why"]
+    after = file_holder(state)
+    assert after["generation"] == 2 and after["lease_expired"] and after["token"] == "t1"
+    assert after["heal"]["recorded"] and not after["healing"]
+    assert lock_facts(state) is None  # free: the flock went with the agent
+    got = lock(b, state, "t2", user="bob")
+    assert got["acquired"] and got["holder"]["generation"] == 3
+
+
+def test_hung_up_without_a_reconnect_the_agent_waits_out_the_lease_then_heals_once(state, agents, heal_log):
+    a, b = agents(2, lease_s=1.5)
+    assert lock(a, state, "t1")["acquired"]
+    t0 = time.monotonic()
+    pid = hang_up(a)
+    time.sleep(0.5)
+    assert not exited(pid) and lock_facts(state)["token"] == "t1"  # still held for a reconnect
+    assert wait_for(lambda: exited(pid), 10)
+    assert time.monotonic() - t0 >= 1.3  # not at EOF: at the end of the lease
+    [call] = healed(heal_log)
+    assert "connection closed and it did not reconnect within 1.5 s" in call["why"]
+    assert file_holder(state)["generation"] == 2 and lock_facts(state) is None
+
+
+def test_a_reconnect_of_the_same_operation_takes_the_lock_over_and_nothing_heals(state, agents, heal_log):
+    a, stranger, again = agents(3, lease_s=2.0)
+    assert lock(a, state, "t1")["acquired"]
+    orphan = hang_up(a)
+    # Control: another operation (another token) with the same generation does not take it over.
+    refused = lock(stranger, state, "t9", resume=1, user="eve")
+    assert not refused["acquired"] and refused["taken_meanwhile"] and not exited(orphan)
+    got = lock(again, state, "t1", resume=1)
+    assert got["acquired"] and got["holder"]["generation"] == 2
+    assert got["holder"]["agent_pid"] == agent_pid(again)
+    assert wait_for(lambda: exited(orphan), 5)
+    for _ in range(8):  # past the orphan's lease (the new holder renews its own): no heal comes
+        time.sleep(0.3)
+        again.call({"op": "renew"}, 10)
+    assert healed(heal_log) == [] and lock_facts(state)["token"] == "t1"
+
+
+def test_a_new_run_takes_over_a_lock_whose_controller_hung_up_and_nothing_heals(state, agents, heal_log):
+    """The next run (another operator, or the same one running the tool again after a SIGKILL)
+    need not wait out the lease of a holder whose connection closed: it ends that agent and takes
+    the lock at once, and repairs from the journal itself."""
+    a, busy, orphaned, fresh = agents(4, lease_s=5.0)
+    assert lock(a, state, "t1")["acquired"]
+    # Control: a holder whose controller is still connected (silent, not gone) is not taken over.
+    assert not lock(busy, state, "t2", user="eve")["acquired"] and not file_holder(state).get("orphaned_at")
+    orphan = hang_up(a)
+    assert wait_for(lambda: file_holder(state).get("orphaned_at"), 5)
+    got = lock(fresh, state, "t3", user="eve")
+    assert got["acquired"] and got["holder"]["generation"] == 2 and got["holder"]["token"] == "t3"
+    assert wait_for(lambda: exited(orphan), 5)
+    time.sleep(0.5)
+    assert healed(heal_log) == [] and lock_facts(state)["token"] == "t3"
+
+
+def test_an_orphan_ended_by_sigterm_exits_at_once_without_healing(state, agents, heal_log):
+    a, = agents(1, lease_s=5.0)
+    assert lock(a, state, "t1")["acquired"]
+    pid = hang_up(a)
+    time.sleep(0.3)
+    os.kill(pid, signal.SIGTERM)
+    assert wait_for(lambda: exited(pid), 2)  # well within its 5 s lease
+    assert healed(heal_log) == [] and file_holder(state)["generation"] == 1 and lock_facts(state) is None
+
+
+def test_a_reconnect_after_the_lease_ran_out_finds_it_lost_and_stops_with_exit_4(state, agents, heal_log):
+    frozen = [0.0]  # the controller's clock stands still: it does not see the lease run out itself
+    a, = agents(1, clock=lambda: frozen[0], name="h1")
+    host = SimpleNamespace(name="h1", state_dir=state, site_packages="/nonexistent", unit_path="/nonexistent",
+                           lock_lease_s=LEASE_S, lock_renew_s=NEVER_S)
+    store = ReleaseStore(a, host)
+    store.acquire_lock("deploy")
+    a.watch.step = "wait for weights"
+    pid = agent_pid(a)
+    a.conn.channels[-1].hang_up()  # cut off: the agent reads EOF
+    assert wait_for(lambda: exited(pid), 10)
+    a.reset()
+    with pytest.raises(LeaseLost) as lost:
+        store.relock()
+    assert lost.value.exit_code == EXIT_NEEDS_PERSON
+    text = str(lost.value)
+    assert "lease expired at step 'wait for weights'" in text and "rolled itself back (to r-before)" in text
+    assert "ddtree-ops status --limit h1" in text
+    sent = a.conn.channels[-1].sent
+    with pytest.raises(LeaseLost):  # lost for good: nothing more goes to the host
+        a.call({"op": "history", "state_dir": state}, 10)
+    assert a.conn.channels[-1].sent == sent
+
+
+# -- the controller's side -------------------------------------------------------------------------
+
+def test_the_heartbeat_keeps_the_lock_through_a_phase_without_agent_calls(state, agents, heal_log):
+    a, b = agents(2, renew_s=0.25)
+    assert lock(a, state, "t1")["acquired"]
+    time.sleep(2.5)  # a drain, a perf gate, a long /generate: no request of the runbook's own
+    assert not lock(b, state, "t2", user="bob")["acquired"]
+    assert a.call({"op": "history", "state_dir": state}, 10)["releases"] == []
+    assert healed(heal_log) == []
+
+
+def test_without_the_heartbeat_the_same_phase_loses_the_lock(state, agents, heal_log):
+    """Control for the test above: the same wait with the heartbeat stopped."""
+    a, b = agents(2, renew_s=0.25)
+    assert lock(a, state, "t1")["acquired"]
+    a._stop_heartbeat()
+    time.sleep(2.5)
+    assert lock(b, state, "t2", user="bob")["acquired"] and len(healed(heal_log)) == 1
+
+
+@pytest.mark.parametrize("jump_s, lost", [(31.0, True), (29.0, False)], ids=["past-the-lease", "within-it"])
+def test_a_controller_stopped_for_longer_than_the_lease_stops_with_exit_4_sending_nothing(state, agents, jump_s,
+                                                                                           lost):
+    clock = [100.0]
+    a, = agents(1, lease_s=30.0, renew_s=10.0, clock=lambda: clock[0])
+    assert lock(a, state, "t1")["acquired"]
+    chan = a.conn.channels[-1]
+    sent = chan.sent
+    clock[0] += jump_s  # SIGSTOP, a suspended laptop: the clock moved on, nothing was renewed
+    if not lost:
+        assert a.call({"op": "history", "state_dir": state}, 10)["releases"] == []
+        return
+    with pytest.raises(LeaseLost) as err:
+        a.call({"op": "history", "state_dir": state}, 10)
+    assert err.value.exit_code == EXIT_NEEDS_PERSON and "for more than 30 s" in str(err.value)
+    with pytest.raises(LeaseLost):
+        a.reset()  # no reconnect either
+    assert chan.sent == sent
+
+
+def test_the_heartbeat_itself_notices_a_stopped_controller_and_hangs_up(state, agents):
+    clock = [100.0]
+    a, = agents(1, lease_s=30.0, renew_s=10.0, clock=lambda: clock[0])
+    assert lock(a, state, "t1")["acquired"]
+    clock[0] += 31.0
+    assert wait_for(lambda: a.watch.lost is not None, 3)
+    assert wait_for(lambda: a._chan is None, 3)  # the channel closed: the agent reads EOF
+
+
+# -- the agent outlives its SSH session ------------------------------------------------------------
+
+SYSTEMD_RUN = "/usr/bin/systemd-run"
+
+
+def unit_argv(argv=("-c",), *, systemd=True, which=SYSTEMD_RUN, euid=0):
+    """What BOOTSTRAP's decision (`u` in UNIT_LAUNCH) answers on a host described by the arguments."""
+    ns: dict = {"R": READER}
+    exec(UNIT_LAUNCH, ns)
+    return ns["u"](list(argv), lambda p: systemd and p == "/run/systemd/system", lambda n: which, euid, "42-7",
+                   "/usr/sbin:/usr/bin", "/venv/bin/python")
+
+
+def test_on_a_host_run_by_systemd_the_bootstrap_moves_the_agent_into_a_transient_unit():
+    argv = unit_argv()
+    assert argv[0] == SYSTEMD_RUN and {"--pipe", "--quiet", "--collect"} <= set(argv)
+    assert "--unit=ddtree-ops-agent-42-7" in argv and "--setenv=PATH=/usr/sbin:/usr/bin" in argv
+    # The unit runs the same Python, isolated, reading the source from the same stdin, and is
+    # told its unit's name, which is also what keeps it from moving again.
+    assert argv[-6:] == ["/venv/bin/python", "-I", "-S", "-c", READER, "ddtree-ops-agent-42-7"]
+    assert "systemd-run" not in READER
+
+
+@pytest.mark.parametrize("host", [dict(systemd=False), dict(which=None), dict(euid=1000),
+                                  dict(argv=("-c", "ddtree-ops-agent-1-2"))],
+                         ids=["no-systemd-as-pid-1", "no-systemd-run", "not-root", "already-in-its-unit"])
+def test_elsewhere_the_bootstrap_runs_the_agent_where_it_is(host):
+    assert unit_argv(**host) is None
+
+
+def run_reader(argv_tail: list[str], tmp_path: Path) -> dict:
+    code = READER if argv_tail else BOOTSTRAP
+    source = agent_source().encode()
+    data = b"%010d" % len(source) + source + b'{"op": "hello"}\n'
+    r = subprocess.run([sys.executable, "-I", "-S", "-c", code, *argv_tail], input=data, capture_output=True,
+                       cwd=tmp_path, timeout=60)
+    return json.loads(r.stdout.splitlines()[0])["result"]
+
+
+def test_the_agent_says_in_its_hello_which_unit_it_runs_in(tmp_path):
+    assert run_reader(["ddtree-ops-agent-42-7"], tmp_path)["unit"] == "ddtree-ops-agent-42-7"
+    # This machine runs no systemd as PID 1 (or the test is not root): the agent ran in place.
+    assert "unit" not in run_reader([], tmp_path)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ddtree_ops.testing.fake_host import UPSTREAM_BYTES, UPSTREAM_REL, FakeHost, fake_hosts
+from ddtree_ops.testing.fake_host import UPSTREAM_BYTES, UPSTREAM_REL, ControllerKilled, FakeHost, fake_hosts
 
 PROBE_REL = "sglang/srt/speculative/ddtree_probe.py"
 
@@ -66,3 +66,13 @@ def versioned_patchset(tmp_path):
                  UPSTREAM_REL: UPSTREAM_BYTES + b"# patched\n"}
         return load(write_patchset(tmp_path / "ps" / marker.hex(), files, version=version))
     return make
+
+
+def kill_deploy_at_call(fake: FakeHost, k: int, deploy, patchset: Path, opts) -> str:
+    """`deploy(session, patchset, opts)` on `fake`, the controller killed at its k-th remote
+    call; the fault is cleared again. Returns where it died, for assertion messages."""
+    fake.fault_at_call, fake.calls = ("kill", k), 0
+    with pytest.raises(ControllerKilled):
+        deploy(fake.session(), patchset, opts)
+    fake.fault_at_call = None
+    return f"killed at deploy call {k} ({fake.events[-1]})"

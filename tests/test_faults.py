@@ -411,12 +411,7 @@ def _signal_during_the_rollback(th, start_cli, tmp: Path, first: signal.Signals 
     if first:
         wait_paused(p, marker)
         interrupt(p, marker, first)
-    wait_for(lambda: "reconnecting to roll back" in p.stderr() or p.proc.poll() is not None, 120,
-             what="the rollback to lose its connection")
-    p.signal(then)
-    r = p.wait(180)
-    assert r.code == 3, r.stderr
-    res = host_result(r)
+    r, res = _signal_while_reconnecting(p, then, "reconnecting to roll back")
     noted = f"interrupted again ({NAMED[then]})" if first else f"interrupted ({NAMED[then]})"
     # Taken note of while the rollback ran, and the rollback went on to its end.
     assert noted in r.stderr and r.stderr.index(noted) < r.stderr.index(f"[{th.name}] rolled back"), r.stderr
@@ -428,6 +423,16 @@ def _signal_during_the_rollback(th, start_cli, tmp: Path, first: signal.Signals 
     assert lock_free(th)
 
 
+def _signal_while_reconnecting(p, sig: signal.Signals, says: str):
+    """Once the run's rollback waits to reconnect (its stderr `says` so), `sig`; the run must then
+    finish its rollback and exit 3. Returns its result and its host row."""
+    wait_for(lambda: says in p.stderr() or p.proc.poll() is not None, 120, what="the rollback to lose its connection")
+    p.signal(sig)
+    r = p.wait(180)
+    assert r.code == 3, r.stderr
+    return r, host_result(r)
+
+
 def _signal_during_a_rollback_command(th, start_cli, tmp: Path, _unused: None, sig: signal.Signals):
     """`ddtree-ops rollback` after a deploy, `sig` while it waits to reconnect (its connection cut
     before its first restore): it runs to its end, exit 3, the host on its previous release."""
@@ -435,12 +440,7 @@ def _signal_during_a_rollback_command(th, start_cli, tmp: Path, _unused: None, s
     r = run_cli(*deploy_args(th, three_files(tmp, "C")))
     assert r.code == 0, r.stderr
     p = start_cli(*rollback_args(th), env={FAULT: "drop:restore:1"})
-    wait_for(lambda: "reconnecting to" in p.stderr() or p.proc.poll() is not None, 120,
-             what="the rollback to lose its connection")
-    p.signal(sig)
-    r = p.wait(180)
-    assert r.code == 3, r.stderr
-    res = host_result(r)
+    r, res = _signal_while_reconnecting(p, sig, "reconnecting to")
     noted = f"interrupted ({NAMED[sig]}): stopping; hosts in flight finish their rollback"
     assert noted in r.stderr and r.stderr.index(noted) < r.stderr.rindex(f"[{th.name}] rollback: healthy"), r.stderr
     assert res["outcome"] == "interrupted" and "during the rollback, which ran to its end" in res["message"], res

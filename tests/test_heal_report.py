@@ -18,6 +18,7 @@ from ddtree_ops.runbook.results import HostResult, Outcome
 from ddtree_ops.runbook.rollback import rollback_host
 from ddtree_ops.testing.fake_host import DFLASH_UNIT, ControllerKilled, fake_hosts
 from ddtree_ops.testing.fake_systemd import run_program as fake_program
+from fast_kit import kill_deploy_at_call
 
 OPTS = DeployOptions(reconnect_s=5)
 UNIT_DIR = "/etc/systemd/system"
@@ -55,11 +56,7 @@ def test_a_controller_killed_at_any_call_is_healed_by_the_host_and_the_next_run_
         fake = fake_hosts(tmp_path / f"k{k}")[0]
         before_release = deploy_host(fake.session(), prior, OPTS).release
         on_prior = snapshot(fake)
-        fake.fault_at_call, fake.calls = ("kill", k), 0
-        with pytest.raises(ControllerKilled):
-            deploy_host(fake.session(), patchset, OPTS)
-        fake.fault_at_call = None
-        where = f"killed at deploy call {k} ({fake.events[-1]})"
+        where = kill_deploy_at_call(fake, k, deploy_host, patchset, OPTS)
         had_journal = fake.session().store.facts([])["journal"] is not None
 
         record = heal_fake(fake, monkeypatch)

@@ -34,10 +34,9 @@ from ddtree_ops.testing.fake_host import (
     FAKE_HANG,
     UPSTREAM_BYTES,
     UPSTREAM_REL,
-    ControllerKilled,
     fake_hosts,
 )
-from fast_kit import PROBE_REL
+from fast_kit import PROBE_REL, kill_deploy_at_call
 
 OPTS = DeployOptions(reconnect_s=5)
 UNIT_DIR = "/etc/systemd/system"
@@ -416,11 +415,7 @@ def test_a_controller_killed_at_any_call_frees_the_lock_and_a_plain_run_repairs(
     for k in range(1, n_calls + 1):
         fake, _, before_release = _deployed(tmp_path / f"k{then}{k}", prior)
         on_prior = snapshot(fake)
-        fake.fault_at_call, fake.calls = ("kill", k), 0
-        with pytest.raises(ControllerKilled):
-            deploy_host(fake.session(), patchset, OPTS)
-        fake.fault_at_call = None
-        where = f"killed at deploy call {k} ({fake.events[-1]})"
+        where = kill_deploy_at_call(fake, k, deploy_host, patchset, OPTS)
         committed = current(fake) != before_release
         if then == "rollback":
             r = rollback_host(fake.session(), None, OPTS)

@@ -43,7 +43,7 @@ class HealFailed(Exception):
 
 def heal_journal_problem(journal):
     """Why a journal is not one this tool wrote (None: it is, or there is none). The same rules,
-    word for word, as the controller's host/journal.py `journal_problem`."""
+    word for word: the controller's host/journal.py `journal_problem` is this function."""
     if journal is None:
         return None
     if not isinstance(journal, dict):

@@ -157,16 +157,21 @@ def test_each_host_runs_real_systemd_as_pid_1_with_journald_and_cgroups(fresh_ho
     assert th.unit_state("ssh.service") != "active"
 
 
-def test_a_reset_host_is_byte_identical_and_serves_again(sandbox, fresh_host):
+@pytest.mark.parametrize("leftover_mount", [False, True], ids=["reset in place", "mount left: rebooted"])
+def test_a_reset_host_is_byte_identical_and_serves_again(sandbox, fresh_host, leftover_mount):
     from kit import host_tree
 
     th = fresh_host
     before = host_tree(th)
+    mount = "mkdir -p /var/lib/leftover && mount -t tmpfs leftover /var/lib/leftover; " if leftover_mount else ""
     th.ssh(["sh", "-c", "echo changed >> /etc/systemd/system/sglang-k26-ddtree.service; "
                         f"echo x > {th.host.site_packages}/sglang/srt/speculative/dflash_info.py; "
-                        "systemctl stop " + DFLASH])
+                        f"{mount}systemctl stop {DFLASH}"])
     assert host_tree(th) != before  # the control: the change is seen
+    leader = sandbox.inside(th.name, ["cat", "/proc/1/stat"]).stdout.split()[21]  # systemd's start time
     sandbox.reset_host(th.name)
+    rebooted = sandbox.inside(th.name, ["cat", "/proc/1/stat"]).stdout.split()[21] != leader
+    assert rebooted == leftover_mount
     assert host_tree(th) == before
     # The real wheel is still below the host's changes (a reset must not lose the lower layer).
     version = th.ssh([th.host.python, "-c", "import importlib.metadata as m; print(m.version('sglang'))"]).stdout

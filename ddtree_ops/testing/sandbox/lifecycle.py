@@ -38,6 +38,10 @@ _FILES = ("inventory.yaml", "known_hosts", "id_ed25519", "id_ed25519.pub", "sand
           smg.LOG_FILE)
 
 
+# The host's folders a reset in place rewrites: nothing may be mounted below them then.
+_RESET_PATHS = ("/etc/systemd/system", "/var/lib", "/var/log", "/opt")
+
+
 class Sandbox:
     def __init__(self, directory: str | os.PathLike):
         self.dir = Path(directory).resolve()
@@ -192,6 +196,12 @@ class Sandbox:
         for unit in (SSHD_UNIT, DDTREE_UNIT, DFLASH_UNIT):
             container.kill_cgroup(h, unit)
         container.inside(h, ["systemctl", "stop", mount])
+        # A mount a test left inside the host (a full-disk tmpfs, say) would outlive a reset in
+        # place: such a host is rebooted instead.
+        targets = container.inside(h, ["findmnt", "-rn", "-o", "TARGET"]).stdout.split()
+        extra = [t for t in targets if any(t.startswith(p + "/") for p in _RESET_PATHS)]
+        if extra:
+            raise SandboxError(f"{h.name}: mounts left inside: {', '.join(extra[:3])}")
         key = host_key_files(h)
         _prepare_host_files(h, host, client_pub, host_key=key, in_place=True)
         container.inside(h, ["systemctl", "daemon-reload"])

@@ -880,6 +880,15 @@ def sshd_control(sandbox):
         sandbox.start_sshd(name)
 
 
+def _lock_seen_inside(th) -> dict:
+    """The host's lock file read from the machine (its sshd may be stopped); {} while the agent
+    rewrites it (truncated, then written)."""
+    try:
+        return json.loads(th.sandbox.inside(th.name, ["cat", f"{STATE}/deploy.lock"]).stdout)
+    except ValueError:
+        return {}
+
+
 def _connection_cut(th, start_cli, sshd_control, tmp: Path, comes_back_after: float | None):
     stop, start = sshd_control
     tmp.mkdir(parents=True, exist_ok=True)
@@ -891,8 +900,7 @@ def _connection_cut(th, start_cli, sshd_control, tmp: Path, comes_back_after: fl
     agent = wait_paused(p, marker)
     stop(th.name)
     # The agent outlives the SSH session (a unit of its own): it finds its controller gone.
-    wait_for(lambda: json.loads(th.sandbox.inside(th.name, ["cat", f"{STATE}/deploy.lock"]).stdout).get("orphaned_at"),
-             30, what="the remote agent to lose its connection")
+    wait_for(lambda: _lock_seen_inside(th).get("orphaned_at"), 30, what="the remote agent to lose its connection")
     assert agent_alive(th, agent, inside=True)
     marker.unlink(missing_ok=True)
     if comes_back_after is not None:

@@ -134,7 +134,11 @@ def kill_cgroup(h: SandboxHost, unit: str) -> None:
     KillMode=process), whatever state the unit is in: `systemctl kill` of a unit that is no longer
     active may not reach them."""
     procs = f"/sys/fs/cgroup/systemd/system.slice/{unit}/cgroup.procs"
-    inside(h, ["sh", "-c", 'for p in $(cat "$1" 2>/dev/null); do kill -9 "$p"; done', "sh", procs], check=False)
+    # SIGKILL is not instant: wait (up to 5 s) until the cgroup is empty, so that what comes next
+    # (unmounting site-packages, which they may hold open) does not find them still there.
+    script = ('for p in $(cat "$1" 2>/dev/null); do kill -9 "$p"; done; '
+              'i=0; while [ -n "$(cat "$1" 2>/dev/null)" ] && [ $i -lt 100 ]; do sleep 0.05; i=$((i+1)); done')
+    inside(h, ["sh", "-c", script, "sh", procs], check=False)
 
 
 def journal_tail(h: SandboxHost, unit: str | None, lines: int = 40) -> str:

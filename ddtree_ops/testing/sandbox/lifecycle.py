@@ -18,7 +18,7 @@ from ddtree_ops.host.localproc import pid_alive
 from . import container, smg
 from .errors import SandboxError
 from .hostfiles import _prepare_host_files, host_key_files, inventory_doc, site_mount_unit, write_inventory
-from .layout import DDTREE_UNIT, DFLASH_UNIT, SSHD_UNIT, SandboxHost
+from .layout import DDTREE_UNIT, DFLASH_UNIT, SITE_PACKAGES, SSHD_UNIT, SandboxHost
 from .namespaces import (
     ALLOC_LOCK,
     NETNS_DIR,
@@ -170,20 +170,23 @@ class Sandbox:
             raise SandboxError(f"no sandbox host {name!r} in {self.dir}")
         return h
 
-    def reset_host(self, name: str) -> None:
+    def reset_host(self, name: str) -> str:
         """Put one host back in its "before deploy" state: its units, sessions and agents ended,
         its files rebuilt from the inventory, DFlash serving again. Done in place (systemd keeps
         running: seconds faster than a reboot); a host that cannot be reset in place (its
         container gone, a step failing) is rebooted from fresh files. Its host key is kept
-        (known_hosts stays valid)."""
+        (known_hosts stays valid). Returns how: "in place", or "rebooted: WHY"."""
         inv = load_inventory(self.inventory_path)
         h = self._host(name)
         pub = self.client_key.with_suffix(".pub")
+        how = "in place"
         try:
             self._reset_in_place(h, inv.hosts[name], pub)
-        except SandboxError:
+        except SandboxError as e:
+            how = f"rebooted: {e}"
             self._reboot(h, inv.hosts[name], pub)
         wait_healthy([h], inv, 60)
+        return how
 
     def _reset_in_place(self, h: SandboxHost, host, client_pub: Path) -> None:
         if container.leader(h) is None:
@@ -195,7 +198,10 @@ class Sandbox:
                          check=False)
         for unit in (SSHD_UNIT, DDTREE_UNIT, DFLASH_UNIT):
             container.kill_cgroup(h, unit)
-        container.inside(h, ["systemctl", "stop", mount])
+        if container.inside(h, ["systemctl", "stop", mount], check=False).returncode != 0:
+            # Busy (a process a test started still holds a file open): detach it; the layers
+            # below are written anew and the unit mounts a fresh overlay.
+            container.inside(h, ["umount", "-l", SITE_PACKAGES])
         # A mount a test left inside the host (a full-disk tmpfs, say) would outlive a reset in
         # place: such a host is rebooted instead.
         targets = container.inside(h, ["findmnt", "-rn", "-o", "TARGET"]).stdout.split()

@@ -44,8 +44,9 @@ from ddtree_ops.testing.sandbox import Sandbox  # noqa: E402
 FOOTNOTE = (
     "deploy_pids: PIDs the kernel allocated on this machine during the deploy: every process and thread started "
     "(sshd session children, shells, the agent's Python, systemctl calls, the server); other activity on the "
-    "machine adds to both columns. The sandbox's systemctl is a Python program (docker-systemctl-replacement) "
-    "that allocates 30-70 PIDs per call, so on a real host (systemctl in C) the ratio is smaller: there, what "
+    "machine adds to both columns. When this was measured the sandbox's systemctl was a Python program "
+    "(docker-systemctl-replacement, since replaced by real systemd) that allocated 30-70 PIDs per call, so on a "
+    "real host (systemctl in C) the ratio is smaller: there, what "
     "changes is SSH execs per deploy (one per remote call before, 31 on a fake host with no load time; one "
     "per operation now) and Python starts (one per agent call before, 20; one now). cpu: user+sys of the "
     "controller process (CLI start-up and imports included, about 0.4 s).")

@@ -1,8 +1,8 @@
 """The fault matrix: whatever happens during a deploy, every host ends on one whole
 release, old or new, never a mix, and healthy -- or the tool exits 4 and says precisely why.
 
-Real processes only: sandbox hosts (network + mount namespace, sshd, systemctl replacement,
-stand-in SGLang server), the CLI as a subprocess, SIGKILL/SIGINT sent by PID. To stop the tool at
+Real processes only: sandbox hosts (containers with real systemd, sshd, the stand-in SGLang
+server), the CLI as a subprocess, SIGKILL/SIGINT sent by PID. To stop the tool at
 an exact point these tests run the CLI with test hooks injected (ddtree_ops.testing.hooked_cli;
 the product only calls the no-op `ddtree_ops.host.hooks.Hooks` it is given):
 DDTREE_OPS_TEST_PAUSE_AT=<point> + DDTREE_OPS_TEST_PAUSE_FILE=<path> make it write <path> and

@@ -144,7 +144,7 @@ def test_the_wheel_carries_templates_and_patch_sets_and_no_bytecode(wheel, src):
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
         assert not [n for n in names if "__pycache__" in n or n.endswith((".pyc", ".pyo"))]
-        # Every file of the package, .py or not (boot.sh, ...), is in the wheel.
+        # Every file of the package, .py or not, is in the wheel.
         missing = [f"ddtree_ops/{rel}" for rel in _files(src / "ddtree_ops")
                    if f"ddtree_ops/{rel}" not in names]
         assert not missing

@@ -1,7 +1,7 @@
 """systemctl on the host: unit states, restart/stop/enable/disable, and a probe of one unit.
 
-Works with real systemd and with docker-systemctl-replacement (the sandbox), so only the
-common subset is used: `show -p PROP` (several units at once), `journalctl -u -n`, and the actions.
+Real systemd (the sandbox hosts run systemd 252 as PID 1); only a small, stable part of it is
+used: `show -p PROP` (several units at once), `journalctl -u -n`, and the actions.
 The host's agent runs them (argv, no shell); nothing here opens an SSH channel of its own.
 What systemctl prints is parsed by the pure functions at the top (one parser per output).
 """

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import shutil
@@ -157,8 +158,10 @@ def _tool_site_packages() -> str:
 BOUND = ("etc-systemd-system", "var-lib", "opt", "run")
 
 
+@functools.cache
 def site_mount_unit() -> str:
-    """The name of the mount unit of the host's site-packages (systemd-escape of the path)."""
+    """The name of the mount unit of the host's site-packages (systemd-escape of the path; the
+    path is a constant, so asked once per process, not at every host's reset)."""
     return run(["systemd-escape", "--path", "--suffix=mount", SITE_PACKAGES]).stdout.strip()
 
 

@@ -76,6 +76,11 @@ class PreflightError(InputError):
         super().__init__(f"{host}: {message}")
 
 
+class ChangedSincePreflight(PreflightError):
+    """A file changed on the host between preflight and backup: the backup refused before writing
+    anything and the deploy stops there, the host as preflight saw it (no rollback to run)."""
+
+
 class HostKeyError(InputError):
     """The host's SSH key is unknown or changed; we refuse to talk to it."""
 
@@ -120,3 +125,13 @@ class Interrupted(DdtreeOpsError):
     """The operator pressed Ctrl-C; the host was rolled back."""
 
     exit_code = EXIT_ROLLED_BACK
+
+
+def reason(exc: BaseException) -> str:
+    """What `exc` says, never empty: some exceptions carry no text (`EOFError()`, a bare
+    `paramiko.SSHException()`), and "failed too: ." tells the operator nothing. Our own errors
+    speak for themselves; anything else is named by its type."""
+    text = str(exc)
+    if not text.strip():
+        return type(exc).__name__
+    return text if isinstance(exc, DdtreeOpsError) else f"{type(exc).__name__}: {text}"

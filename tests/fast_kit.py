@@ -29,7 +29,7 @@ def write_patchset(root: Path, files: dict[str, bytes], *, name: str = "fastps",
         else:
             entries.append({"path": rel, "action": "add"})
     (d / "manifest.yaml").write_text(yaml.safe_dump({"name": name, "version": version, "sglang": "==0.5.23",
-                                                     "files": entries}, sort_keys=False))
+                                                     "packages": ["sglang"], "files": entries}, sort_keys=False))
     return d
 
 

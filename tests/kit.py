@@ -177,7 +177,7 @@ def make_patchset(root: Path, files: dict[str, bytes], *, name: str = "testps", 
             entries.append({"path": rel, "action": "replace", "base_sha256": sha256_bytes(upstream.read_bytes())})
         else:
             entries.append({"path": rel, "action": "add"})
-    manifest = {"name": name, "version": version, "sglang": sglang, "files": entries}
+    manifest = {"name": name, "version": version, "sglang": sglang, "packages": ["sglang"], "files": entries}
     (d / "manifest.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
     return d
 

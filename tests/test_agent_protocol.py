@@ -37,7 +37,8 @@ class Recorder:
 @pytest.fixture
 def host():
     """What the store reads of a host, with values that are easy to spot on the wire."""
-    return SimpleNamespace(name="h1", state_dir=STATE, site_packages="SP", unit_path="UP", lock_lease_s=30.0)
+    return SimpleNamespace(name="h1", state_dir=STATE, site_packages="SP", unit_path="UP", lock_lease_s=30.0,
+                           python="PY", service_user="SU")
 
 
 RUN_OK = {"rc": 0, "stdout": "", "stderr": ""}
@@ -46,6 +47,7 @@ ANSWERS = {
     "verify_unit": {"available": False}, "remove_partial": {"backup_complete": True},
     "verify_backup": {"problems": []}, "restore": {"restored": [], "refused": False, "problems": []},
     "release_write": {"release": {}}, "facts": {"unit_text": None}, "run": RUN_OK,
+    "backup": {"manifest": {}, "changed": []},
 }
 
 
@@ -61,19 +63,30 @@ def _wire_of(call, host) -> dict[str, Any]:
 WIRE = [
     ("facts", lambda s: s.facts(["/a"], ["/s"]),
      {"op": "facts", "state_dir": STATE, "site_packages": "SP", "unit_path": "UP", "paths": ["/a"],
-      "secret_paths": ["/s"]}),
+      "secret_paths": ["/s"], "python": "PY", "service_user": "SU"}),
     ("facts, no paths", lambda s: s.facts([]),
-     {"op": "facts", "state_dir": STATE, "site_packages": "SP", "unit_path": "UP", "paths": [], "secret_paths": []}),
+     {"op": "facts", "state_dir": STATE, "site_packages": "SP", "unit_path": "UP", "paths": [], "secret_paths": [],
+      "python": "PY", "service_user": "SU"}),
     ("unlock", lambda s: s.release_lock(LockHolder("t", {})), {"op": "unlock", "state_dir": STATE, "token": "t"}),
     ("journal", lambda s: s.journal(step="install"),
      {"op": "journal", "state_dir": STATE, "journal": {"step": "install"}}),
     ("clear journal", lambda s: s.clear_journal(), {"op": "journal", "state_dir": STATE, "clear": True}),
-    ("compile", lambda s: s.compile({"/m.py": "eA=="}), {"op": "compile", "files": {"/m.py": "eA=="}}),
+    ("compile", lambda s: s.compile(p.Compile({"/m.py": "eA=="}, "/py")),
+     {"op": "compile", "files": {"/m.py": "eA=="}, "python": "/py"}),
+    ("compile as the unit's user", lambda s: s.compile(p.Compile({"/m.py": "eA=="}, "/py", user="u", group="g",
+                                                                 supplementary_groups=["s"])),
+     {"op": "compile", "files": {"/m.py": "eA=="}, "python": "/py", "user": "u", "group": "g",
+      "supplementary_groups": ["s"]}),
     ("verify_unit", lambda s: s.verify_unit("u.service", "[Unit]", ["systemd-analyze", "@PATH@"]),
      {"op": "verify_unit", "unit_name": "u.service", "text": "[Unit]", "argv": ["systemd-analyze", "@PATH@"]}),
     ("backup", lambda s: s.backup("r1", [p.BackupPath("/a"), p.BackupPath("/u", "unit")]),
      {"op": "backup", "state_dir": STATE, "release_id": "r1",
       "paths": [{"path": "/a", "kind": "file"}, {"path": "/u", "kind": "unit"}]}),
+    ("backup, checked against preflight", lambda s: s.backup("r1", [p.BackupPath("/a", expect_sha256="ab"),
+                                                                     p.BackupPath("/n", expect_absent=True)]),
+     {"op": "backup", "state_dir": STATE, "release_id": "r1",
+      "paths": [{"path": "/a", "kind": "file", "expect_sha256": "ab"},
+                {"path": "/n", "kind": "file", "expect_absent": True}]}),
     ("install", lambda s: s.install([p.InstallFile("/a", "eA==", "ab", 0o640)]),
      {"op": "install", "state_dir": STATE,
       "files": [{"path": "/a", "content_b64": "eA==", "sha256": "ab", "mode": 0o640}]}),

@@ -225,6 +225,35 @@ def test_a_member_outside_bundle_json_patchset_and_templates_is_refused(tmp_path
     assert ("bundle.json: files[" in line) == listed
 
 
+@pytest.mark.parametrize("listed", [False, True], ids=["in-the-archive", "in-the-manifest-too"])
+@pytest.mark.parametrize("rel, why", [
+    ("evil.pth", "is a .pth file"),
+    ("sglang/evil.pth", "is a .pth file"),
+    ("sitecustomize.py", "is a *customize.py"),
+    ("usercustomize.py", "is a *customize.py"),
+    ("sglang/srt/my_customize.py", "is a *customize.py"),
+    ("sitecustomize/__init__.py", "is a *customize.py"),
+    ("sglang/srt/__pycache__/server_args.cpython-310.pyc", "is under __pycache__/"),
+    ("sglang/srt/__pycache__/notes.txt", "is under __pycache__/"),
+    ("sglang/srt/server_args.pyc", "is bytecode"),
+    ("sglang/srt/server_args.pyo", "is bytecode"),
+])
+def test_a_patchset_member_that_runs_at_interpreter_start_or_shadows_source_is_refused(tmp_path, inv, good, rel,
+                                                                                         why, listed):
+    members = members_of(good.path) + [(f"patchset/files/{rel}", b"import os\n")]
+    path = write_tgz(tmp_path / "member.tar.gz", truthful(members) if listed else members)
+    line = refused(inv, path, match=why)
+    assert rel in line and ("bundle.json: files[" in line) == listed
+
+
+def test_a_patchset_member_whose_name_only_resembles_a_refused_one_passes_the_name_check(tmp_path):
+    ps = write_patchset(tmp_path / "ps", {PROBE_REL: b"P = 1\n", "sglang/srt/customize_args.py": b"C = 1\n",
+                                          "sglang/srt/pth_utils.py": b"U = 1\n"}, name="alike")
+    built = build_bundle(str(ps), tmp_path / "dist")
+    with open_bundle(built.path) as ob:
+        assert {f.path for f in ob.patchset.files} >= {"sglang/srt/customize_args.py", "sglang/srt/pth_utils.py"}
+
+
 @pytest.mark.parametrize("order", ["file-first", "folder-first"])
 def test_a_name_that_is_both_a_file_and_a_folder_is_refused(tmp_path, inv, good, order):
     pair = [("patchset/files/sglang/x", b"a"), ("patchset/files/sglang/x/y.py", b"b")]

@@ -663,7 +663,7 @@ def test_remote_commands_quote_every_value(clean_host, tmp_path):
     assert set(facts["units"].values()) <= {"unknown", "inactive"}  # names arrived whole: unknown units
     # The whole operation (facts, unit states, probe, lock, unlock, history) went to ONE agent
     # process as JSON over one channel: the only command line is the agent's, a quoted argv.
-    assert sent == [shell_join(agent_argv(th.host.python))], sent
+    assert sent == [shell_join(agent_argv(th.host.agent_python))], sent
     assert not list(tmp_path.glob("pwned*")), "a value was executed by a shell"
 
 

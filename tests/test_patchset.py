@@ -35,6 +35,7 @@ def manifest(**over):
         "version": "1.0.0",
         "sglang": "==0.5.23",
         "description": "DDTree for SGLang 0.5.23",
+        "packages": ["sglang"],
         "files": [
             {"path": "sglang/srt/speculative/ddtree_utils.py", "action": "add"},
             {"path": "sglang/srt/speculative/dflash_info.py", "action": "replace", "base_sha256": BASE},

@@ -20,6 +20,7 @@ from ddtree_ops.config.schema import ABSENT, Field, Invalid, apply, exact_mappin
 BASE = "ab" * 32
 GOOD = {
     "name": "ddtree-temp", "version": "1.0.0", "sglang": "==0.5.23", "description": "two files",
+    "packages": ["sglang"],
     "files": [{"path": "sglang/a.py", "action": "add"},
               {"path": "sglang/b.py", "action": "replace", "base_sha256": BASE, "mode": "0755"}],
 }
@@ -53,7 +54,8 @@ CASES = [
     (lambda d: d.update(description=5), "description", "must be a string"),
     (lambda d: d.update(files=[]), "files", "must be a non-empty list"),
     (lambda d: d.pop("files"), "files", "is required"),
-    (lambda d: d.update(sglang_version="x"), "sglang_version", "unknown key; allowed: description, files, name"),
+    (lambda d: d.update(sglang_version="x"), "sglang_version",
+     "unknown key; allowed: description, files, name, packages"),
     (lambda d: d["files"][0].update(path="../x.py"), "files[0].path", "must not contain '..'"),
     (lambda d: d["files"][0].pop("path"), "files[0].path", "is required: a path relative to site-packages"),
     (lambda d: d["files"][0].update(action="patch"), "files[0] (sglang/a.py).action",
@@ -74,7 +76,25 @@ CASES = [
     (lambda d: d["files"].append("x.py"), "files[2]", "must be a mapping of action, base_sha256, mode, path"),
     (lambda d: d["files"].append({"path": "sglang/a.py", "action": "add"}), "files[2] (sglang/a.py).path",
      "is listed twice"),
+    (lambda d: d.pop("packages"), "packages", "is required: the top-level packages the set writes into"),
+    (lambda d: d.update(packages=[]), "packages", "must be a non-empty list of top-level package names"),
+    (lambda d: d.update(packages="sglang"), "packages", "must be a non-empty list of top-level package names"),
+    (lambda d: d.update(packages=["sglang/srt"]), "packages", "'sglang/srt' is not a top-level package name"),
+    (lambda d: d.update(packages=["sglang", "sglang"]), "packages", "names a package twice"),
+    (lambda d: d.update(packages=["sitecustomize"]), "packages", "'sitecustomize' is a *customize.py"),
+    (lambda d: d["files"][0].update(path="torch/a.py"), "files[0].path",
+     "'torch/a.py' is outside the packages the manifest names (sglang)"),
+    (lambda d: d["files"][0].update(path="sglang"), "files[0].path", "'sglang' is outside the packages"),
+    (lambda d: d["files"][0].update(path="sglang.pth"), "files[0].path", "'sglang.pth' is a .pth file"),
 ]
+
+
+def test_a_path_inside_a_named_package_passes_and_one_beside_it_is_refused():
+    two = parse_manifest(edited(lambda d: (d.update(packages=["sglang", "sgl_kernel"]),
+                                           d["files"][0].update(path="sgl_kernel/a.py"))))
+    assert two.packages == ("sglang", "sgl_kernel") and two.files[0].path == "sgl_kernel/a.py"
+    with pytest.raises(Invalid, match="outside the packages"):  # control: the same path, its package not named
+        parse_manifest(edited(lambda d: d["files"][0].update(path="sgl_kernel/a.py")))
 
 
 @pytest.mark.parametrize("edit, field, problem", CASES)

@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import stat
+import sys
 import threading
 
 import pytest
@@ -68,7 +69,7 @@ def test_the_typed_store_drives_the_agent_process_through_a_release(host):
     try:
         store = ReleaseStore(ch, SimpleNamespace(name="local", state_dir=str(host["state"]),
                                                  site_packages=str(host["site"]), unit_path="/nonexistent.service",
-                                                 lock_lease_s=30.0))
+                                                 lock_lease_s=30.0, python=sys.executable, service_user="root"))
         store.acquire_lock("test")
         store.backup("r1", [BackupPath(mod)])
         store.install([InstallFile(mod, base64.b64encode(b"NEW = 2\n").decode(), _sha(b"NEW = 2\n"))])
@@ -253,9 +254,9 @@ def test_the_agent_runs_only_systemctl_and_journalctl_and_never_a_shell(host):
     assert not doc["ok"] and "not a program the agent runs" in doc["error"]
 
 
-def test_compile_uses_the_hosts_interpreter_and_reports_file_and_line(host):
+def test_compile_uses_the_venvs_interpreter_and_reports_file_and_line(host):
     bad = base64.b64encode(b"x = 1\ndef f(:\n").decode()
-    res = call({"op": "compile", "files": {"/x/ddtree_bad.py": bad}})
+    res = call({"op": "compile", "files": {"/x/ddtree_bad.py": bad}, "python": sys.executable})
     assert len(res["errors"]) == 1 and res["errors"][0].startswith("/x/ddtree_bad.py:2: SyntaxError")
 
 

@@ -56,7 +56,7 @@ def test_parse_router_defaults_and_null():
     ({"url": "http://r", "timeout_s": 0}, "router.timeout_s", "must be a number 1..3600"),
     ({"url": "http://r", "timeout_s": True}, "router.timeout_s", "must be a number 1..3600"),
     ({"url": "http://r", "admin_key": "x"}, "router.admin_key", "unknown key; allowed: admin_key_env, kind,"),
-    ("http://r", "router", "must be a mapping of admin_key_env, kind, timeout_s, url, worker"),
+    ("http://r", "router", "must be a mapping of admin_key_env, kind, retry_window_s, timeout_s, url, worker"),
 ])
 def test_parse_router_errors_name_the_field(doc, field, problem):
     with pytest.raises(InputError) as e:
@@ -74,7 +74,8 @@ def test_inventory_router_merges_key_by_key_across_levels():
         "vars": {**BASE, "router": {"url": "http://10.0.0.9:30000", "admin_key_env": "SMG_KEY"}},
         "children": {
             "gpu": {"vars": {"router": {"timeout_s": 30}},
-                    "hosts": {"a": {"address": "10.0.0.1", "router": {"worker": "http://10.1.0.1:30000"}},
+                    "hosts": {"a": {"address": "10.0.0.1", "aliases": ["10.1.0.1"],
+                                    "router": {"worker": "http://10.1.0.1:30000"}},
                               "b": {"address": "10.0.0.2", "port": 31000}}},
             "other": {"hosts": {"c": {"address": "10.0.0.3"}}},
         }}}
@@ -88,6 +89,42 @@ def test_inventory_router_merges_key_by_key_across_levels():
 
     plain = parse_inventory({"all": {"vars": BASE, "hosts": {"x": {"address": "10.0.0.4"}}}}, "inv.yaml")
     assert plain.host("x").router is None
+
+
+def two_routed_hosts(a_vars: dict | None = None, group_router: dict | None = None) -> dict:
+    return {"all": {"vars": {**BASE, "router": {"url": "http://10.0.0.9:30000", **(group_router or {})}},
+                    "hosts": {"a": {"address": "10.0.0.1", **(a_vars or {})}, "b": {"address": "10.0.0.2"}}}}
+
+
+@pytest.mark.parametrize("a_vars, group_router, problem", [
+    # another host's server: deploying a would take b out of the router
+    ({"router": {"worker": "http://10.0.0.2:30000"}}, None, "host 'a': field 'router.worker': 'http://10.0.0.2:30000' "
+                                                            "is not this host's server"),
+    # set in group vars: every member shares one worker
+    (None, {"worker": "http://10.0.0.1:30000"}, "host 'b': field 'router.worker'"),
+    # one server under two host names: each would take the other out of the router
+    ({"address": "10.0.0.2"}, None, "is also host a's worker"),
+    # an address the inventory does not give this host
+    ({"router": {"worker": "http://10.1.0.1:30000"}}, None, "10.1.0.1 is neither its address"),
+    # the host's own address but another port: another server
+    ({"router": {"worker": "http://10.0.0.1:31000"}}, None, "the same port (30000)"),
+])
+def test_a_worker_that_is_not_the_hosts_own_server_is_refused(a_vars, group_router, problem):
+    with pytest.raises(InputError, match=r"^inv\.yaml: host '[ab]': field 'router\.worker': ") as e:
+        parse_inventory(two_routed_hosts(a_vars, group_router), "inv.yaml")
+    assert problem in str(e.value)
+
+
+@pytest.mark.parametrize("a_vars", [
+    {},  # the default: base_url
+    {"router": {"worker": "http://10.0.0.1:30000/"}},
+    {"aliases": ["10.1.0.1"], "router": {"worker": "http://10.1.0.1:30000"}},
+    {"aliases": "gpu-a.internal", "router": {"worker": "http://GPU-A.internal:30000"}},
+])
+def test_the_hosts_own_server_at_any_of_its_addresses_is_accepted(a_vars):
+    # The control for the refusals above: the same inventory with a's own worker loads.
+    inv = parse_inventory(two_routed_hosts(a_vars), "inv.yaml")
+    assert inv.host("b").router.worker == "http://10.0.0.2:30000"
 
 
 def test_inventory_router_errors_name_file_host_and_field():
@@ -363,7 +400,8 @@ def test_register_reports_a_failed_add_job_and_api_errors(key_env):
     def broken(request):
         return httpx.Response(500, text="internal error")
 
-    settings = RouterSettings(kind="smg", url="http://r:1", admin_key_env=KEY_ENV, worker=WORKER)
+    # No retry window: the retries themselves are test_router_retry.py's.
+    settings = RouterSettings(kind="smg", url="http://r:1", admin_key_env=KEY_ENV, worker=WORKER, retry_window_s=0)
     with pytest.raises(RouterError, match=r"router http://r:1: GET /workers answered 500: 'internal error'"):
         SmgRouter(settings, httpx.MockTransport(broken)).register(WORKER)
 

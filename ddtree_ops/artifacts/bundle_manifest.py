@@ -17,6 +17,7 @@ from typing import Any, Mapping
 
 from ..config.schema import Field, Invalid, check_int, exact_mapping, joined
 from ..errors import shown
+from .release_members import member_problem
 
 FORMAT = "ddtree-ops-bundle/1"
 MANIFEST = "bundle.json"
@@ -39,7 +40,8 @@ def name_problem(name: str) -> str | None:
 
     Canonical: printable ASCII, relative, '/'-separated with no empty, '.' or '..' component, no
     backslash, no trailing '/', at most MAX_NAME characters; and one of `bundle.json`,
-    `patchset/manifest.yaml`, `patchset/files/<path>`, `templates/<name>.j2`."""
+    `patchset/manifest.yaml`, `patchset/files/<path>`, `templates/<name>.j2`; a patch-set file
+    is none that no release may ship (release_members.py: bytecode, `.pth`, `*customize.py`)."""
     if not name:
         return "the name is empty"
     if len(name) > MAX_NAME:
@@ -60,7 +62,7 @@ def name_problem(name: str) -> str | None:
     if name in (MANIFEST, "patchset/manifest.yaml") or _TEMPLATE_MEMBER_RE.match(name):
         return None
     if name.startswith("patchset/files/"):
-        return None
+        return member_problem(name[len("patchset/files/"):])
     return "only bundle.json, patchset/manifest.yaml, patchset/files/... and templates/*.j2 may be in a bundle"
 
 

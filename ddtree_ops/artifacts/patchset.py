@@ -11,6 +11,7 @@ manifest.yaml::
     version: 1.0.0                 # PEP 440 version of the patch set
     sglang: "==0.5.23"             # PEP 440 specifier of the SGLang versions it targets
     description: optional text
+    packages: [sglang]             # the top-level packages every path must lie inside
     files:
       - path: sglang/srt/speculative/ddtree_utils.py
         action: add                # a new file (it may exist from an earlier release of this set)
@@ -21,8 +22,10 @@ manifest.yaml::
 
 `load_patchset` validates everything and raises PatchSetError naming the manifest and the
 entry: the manifest's rules are a table of fields (patchset_manifest.py), the shipped files
-are checked here. Python syntax is not checked here: preflight compiles `PatchSet.python_files()` with
-the host's own Python, which is the one that matters.
+are checked here: regular files reached through no symlink, nothing under files/ that is not
+listed, and nothing a release may never ship (release_members.py: bytecode, `.pth`,
+`*customize.py`), whether listed or not. Python syntax is not checked here: preflight compiles
+`PatchSet.python_files()` with the host's own Python, which is the one that matters.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from ..config.schema import NAME_RE, Invalid
 from ..config.yamlfile import YamlProblem, load_yaml
 from ..errors import PatchSetError, shown
 from .patchset_manifest import ManifestEntry, parse_manifest
+from .release_members import member_problem
 from .resources import patches_dir as default_patches_dir
 
 MANIFEST = "manifest.yaml"
@@ -64,6 +68,7 @@ class PatchSet:
     version: str
     sglang_spec: SpecifierSet
     description: str
+    packages: tuple[str, ...]
     files: tuple[PatchFile, ...]
     root: Path
     manifest_sha256: str
@@ -89,6 +94,7 @@ class PatchSet:
             "version": self.version,
             "sglang": str(self.sglang_spec),
             "description": self.description,
+            "packages": sorted(self.packages),
             "files": [
                 {"path": f.path, "action": f.action, "base_sha256": f.base_sha256,
                  "mode": "%04o" % f.mode, "sha256": f.sha256}
@@ -169,7 +175,8 @@ def load_patchset(ref: str, patches_dir: str | Path | None = None) -> PatchSet:
     _no_unlisted_files(mname, files_dir, {e.path for e in manifest.files})
     return PatchSet(
         name=manifest.name, version=manifest.version, sglang_spec=manifest.sglang_spec,
-        description=manifest.description, files=pfiles, root=root, manifest_sha256=hashlib.sha256(raw).hexdigest(),
+        description=manifest.description, packages=manifest.packages, files=pfiles, root=root,
+        manifest_sha256=hashlib.sha256(raw).hexdigest(),
     )
 
 
@@ -221,13 +228,22 @@ def _shipped(mname: str, files_dir: Path, index: int, entry: ManifestEntry) -> P
 
 
 def _no_unlisted_files(mname: str, files_dir: Path, listed: set[str]) -> None:
-    """Everything under files/ must be listed: an unlisted file is a forgotten entry or junk."""
+    """Everything under files/ must be listed: an unlisted file is a forgotten entry or junk, and
+    one no release may ship (a __pycache__ folder, a .pth) is named as such."""
     for dirpath, dirnames, filenames in os.walk(files_dir, followlinks=False):
         for d in dirnames:
             full = Path(dirpath) / d
             if full.is_symlink():
                 raise _error(mname, None, f"{full} is a symlink; ship regular files only")
+        for fn in [*dirnames, *filenames]:
+            rel = (Path(dirpath) / fn).relative_to(files_dir).as_posix()
+            refused = member_problem(rel)
+            if refused:
+                raise _error(mname, None, f"{FILES_DIR}/{rel} {refused}")
         for fn in filenames:
             rel = (Path(dirpath) / fn).relative_to(files_dir).as_posix()
+            if not stat.S_ISREG(os.lstat(Path(dirpath) / fn).st_mode):
+                raise _error(mname, None, f"{FILES_DIR}/{rel} is not a regular file (a symlink, fifo, socket "
+                                          f"or device); ship regular files only")
             if rel not in listed:
                 raise _error(mname, None, f"unlisted file {FILES_DIR}/{rel}: add it to files: or delete it")

@@ -5,6 +5,10 @@ a file entry, each row with its own rule (config/schema.py runs the tables).
 field as a message shows it: `name`, `files[0].path` (the path itself is what is wrong), or
 `files[1] (sglang/x.py).base_sha256` (an entry whose path is known). Files on disk are not
 looked at here: patchset.py checks the shipped files against the entries.
+
+`packages` names the top-level packages the set may write into (`[sglang]`): every path must lie
+inside one of them, so a patch set cannot drop a module, a `.pth` or a `*.dist-info` beside them.
+What no release may ship at all (bytecode, `.pth`, `*customize.py`) is release_members.py's rule.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from packaging.version import InvalidVersion, Version
 
 from ..config.schema import ABSENT, NAME_RE, Field, Invalid, apply, joined, known_keys, mapping
 from ..errors import shown
+from .release_members import member_problem
 
 DEFAULT_MODE = 0o644
 ACTIONS = ("add", "replace")
@@ -27,6 +32,8 @@ _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 _MODE_RE = re.compile(r"^0?[0-7]{3}$")
 # One path component: what Python package paths need, nothing a shell or systemd treats specially.
 _COMPONENT_RE = re.compile(r"^[A-Za-z0-9_.+@=,-]+$")
+# A top-level package: an importable name, one component.
+_PACKAGE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,7 @@ class Manifest:
     version: str
     sglang_spec: SpecifierSet
     description: str
+    packages: tuple[str, ...]
     files: tuple[ManifestEntry, ...]
 
 
@@ -77,6 +85,9 @@ def _rel_path(value: Any, done: Mapping[str, Any]) -> str:
     problem = check_rel_path(value)
     if problem:
         raise Invalid(problem)
+    refused = member_problem(value)
+    if refused:
+        raise Invalid(f"{shown(value)} {refused}")
     return value
 
 
@@ -150,6 +161,28 @@ def _no_description(done: Mapping[str, Any]) -> str:
     return ""
 
 
+def _packages(value: Any, done: Mapping[str, Any]) -> tuple[str, ...]:
+    """A non-empty list of top-level package names, none twice."""
+    if not isinstance(value, list) or not value:
+        raise Invalid(f"must be a non-empty list of top-level package names such as [sglang], got {shown(value)}")
+    for name in value:
+        if not isinstance(name, str) or not _PACKAGE_RE.match(name):
+            raise Invalid(f"{shown(name)} is not a top-level package name (one importable name, no '/')")
+        if member_problem(name + "/__init__.py"):
+            raise Invalid(f"{shown(name)} {member_problem(name + '/__init__.py')}")
+    if len(set(value)) != len(value):
+        raise Invalid(f"names a package twice: {shown(value)}")
+    return tuple(value)
+
+
+def package_problem(path: str, packages: tuple[str, ...]) -> str | None:
+    """None if `path` lies inside one of `packages` (a file below the package folder), else why not."""
+    top, _, rest = path.partition("/")
+    if top in packages and rest:
+        return None
+    return f"{shown(path)} is outside the packages the manifest names ({', '.join(packages)})"
+
+
 # --------------------------------------------------------------------------- the tables
 
 FILE_FIELDS: tuple[Field, ...] = (
@@ -181,6 +214,9 @@ def _entries(value: Any, done: Mapping[str, Any]) -> tuple[ManifestEntry, ...]:
             raise Invalid(e.problem, _entry_field(i, raw, e.field)) from None
         if entry.path in seen:
             raise Invalid("is listed twice", f"[{i}] ({entry.path}).path")
+        outside = package_problem(entry.path, done["packages"])
+        if outside:
+            raise Invalid(outside, f"[{i}].path")
         seen.add(entry.path)
         out.append(entry)
     return tuple(out)
@@ -191,6 +227,7 @@ MANIFEST_FIELDS: tuple[Field, ...] = (
     Field("version", _version, required="a PEP 440 version such as \"1.0.0\""),
     Field("sglang", _specifier, required="a PEP 440 specifier such as \"==0.5.23\"", attr="sglang_spec"),
     Field("description", _description, _no_description),  # absent or null: ""
+    Field("packages", _packages, required="the top-level packages the set writes into, such as [sglang]"),
     Field("files", _entries, required="a list of {path, action, ...} entries"),
 )
 

@@ -2,7 +2,7 @@
 
 The unit is rendered from a Jinja2 template (``templates/<host.template>``, found through
 `resources.templates_dir()` unless a bundle's folder is given) with every
-`Host` field in the context and two filters:
+`Host` field in the context and three filters:
 
 * ``systemd_quote`` — one argument of an ``ExecStart=`` command line, quoted per
   systemd.service(5) "Command lines": ``%`` → ``%%`` (specifiers), ``$`` → ``$$``
@@ -10,6 +10,7 @@ The unit is rendered from a Jinja2 template (``templates/<host.template>``, foun
   value is empty or holds whitespace, quotes, backslashes or control characters.
 * ``systemd_env`` — one ``NAME=value`` assignment of an ``Environment=`` line, always
   double-quoted (``%`` → ``%%``; ``$`` is not expanded in ``Environment=``, so it is kept).
+* ``systemd_value`` — the value of a one-word setting (``User=``, ``EnvironmentFile=``): ``%`` → ``%%``.
 
 `verify_unit` runs ``systemd-analyze verify`` on the text; `verify_command` builds the same
 argv for running on the target host, and `verify_problems` classifies its output, so that a
@@ -89,6 +90,14 @@ def systemd_quote(value: Any) -> str:
     return '"' + _c_escape(s) + '"'
 
 
+def systemd_value(value: Any) -> str:
+    """One value of a setting that takes a single word (``User=``, ``EnvironmentFile=``,
+    ``WorkingDirectory=``): ``%`` → ``%%``, since systemd expands specifiers there too (a path
+    with ``%H`` would name a file per host name). The inventory refuses whitespace and control
+    characters in these values."""
+    return str(value).replace("%", "%%")
+
+
 def systemd_env(assignment: Any) -> str:
     """Quote one ``NAME=value`` for an Environment= line: always double quotes, C escapes, %%."""
     s = str(assignment).replace("%", "%%")
@@ -137,6 +146,7 @@ def _jinja_env(templates_dir: Path) -> jinja2.Environment:
     )
     env.filters["systemd_quote"] = systemd_quote
     env.filters["systemd_env"] = systemd_env
+    env.filters["systemd_value"] = systemd_value
     return env
 
 

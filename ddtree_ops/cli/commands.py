@@ -15,6 +15,7 @@ from typing import Optional
 
 import typer
 
+from ..config.terminal import terminal_safe
 from ..errors import EXIT_ERROR, DdtreeOpsError, InputError
 from ..host.hooks import NO_HOOKS, Hooks
 from .common import emit_json as _emit_json
@@ -101,7 +102,7 @@ def render(
             _emit_json({"ok": True, "host": h.name, "unit": h.unit, "path": h.unit_path, "verified": verify,
                         "text": text})
         else:
-            sys.stdout.write(text)
+            sys.stdout.write(terminal_safe(text, keep_newlines=True))  # the templates are files from outside
     _guard(body, as_json=as_json)
 
 
@@ -207,7 +208,7 @@ def _print_rollout(res, as_json: bool, extra: dict | None = None, report: str | 
         from .report import write_report
 
         write_report(report, doc)
-        sys.stderr.write(f"report written to {report}\n")
+        _log(f"report written to {report}")
     if as_json:
         _emit_json(doc)
     else:
@@ -245,7 +246,7 @@ def _asker(progress):
         with lock:
             progress.pause()
             try:
-                return typer.confirm(question, default=False, err=True)
+                return typer.confirm(terminal_safe(question), default=False, err=True)
             except (typer.Abort, EOFError):
                 return False
             finally:
@@ -256,7 +257,7 @@ def _asker(progress):
 def _confirm(yes: bool, question: str) -> None:
     """Ask only on an interactive terminal without --yes; CI (stdin not a TTY) is never asked."""
     if not yes and sys.stdin.isatty():
-        if not typer.confirm(question):
+        if not typer.confirm(terminal_safe(question)):
             raise typer.Exit(1)
 
 
@@ -320,15 +321,16 @@ def deploy(
     report: Optional[str] = REPORT_OPT,
 ):
     from ..fleet.actions import rolling_deploy
-    from ..fleet.rollout import parse_percent, plan_batches
     from ..runbook.phases import DeployOptions
+    from .flag_ranges import check_rollout_flags
     from .liveview import make_progress
 
     def body():
         _report_path(report)
         targets, notes = _targets(inventory, limit, budget, topk_cap)
-        parse_percent(max_fail)
-        plan_batches(len(targets), canary=canary, batch=batch)  # bad --batch/--canary: exit 2 before connecting
+        # A bad number: exit 2 before connecting.
+        check_rollout_flags(len(targets), forks=forks, canary=canary, batch=batch, max_fail=max_fail,
+                            deadline_s=deadline)
         hosts = [h for t in targets for h in t.hosts]
         with _source(patchset, bundle, hosts, expect_id=expect_id, unsigned_patchset=False,
                      allow_unsigned=allow_unsigned) as (ps, b):
@@ -369,14 +371,14 @@ def rollback(
     """Back to the previous release (or --to RELEASE|original), with the same restart and health gate,
     over the same selection as deploy (multi-node servers as a whole)."""
     from ..fleet.actions import rolling_rollback
-    from ..fleet.rollout import plan_batches
     from ..runbook.phases import DeployOptions
+    from .flag_ranges import check_rollout_flags
     from .liveview import make_progress
 
     def body():
         _report_path(report)
         targets, notes = _targets(inventory, limit)
-        plan_batches(len(targets), canary=0, batch=batch)
+        check_rollout_flags(len(targets), forks=forks, batch=batch)
         _confirm(yes, f"Roll back {', '.join(t.name for t in targets)} to {to or 'the previous release'}?")
         opts = DeployOptions(break_tokens=tuple(break_lock), command=" ".join(["ddtree-ops", *sys.argv[1:]])[:500])
         res = rolling_rollback(targets, to, opts, batch=batch, forks=forks, accept_new_host_keys=accept_new_host_keys,
@@ -397,8 +399,10 @@ def status(
     unit, drift, unit states, /health, avg accept length. Exit 0 when every host is reachable, without drift
     and healthy; 1 otherwise."""
     from ..fleet.status import collect_status
+    from .flag_ranges import check_forks
 
     def body():
+        check_forks(forks)
         hosts = _hosts(inventory, limit)
         rows = collect_status(hosts, accept_new_host_keys=accept_new_host_keys, forks=forks)
         code = 0 if all(r["ok"] for r in rows) else EXIT_ERROR
@@ -435,7 +439,7 @@ def bundle_cmd(
             _emit_json({"ok": True, "id": b.id, "path": str(b.path), "sha256": b.sha256, "signature": sig,
                         "files": b.manifest["files"], "patchset": b.manifest["patchset"]})
         else:
-            print(f"{b.path}")
+            print(terminal_safe(b.path))
             _log(f"bundle {b.id}: {len(b.manifest['files'])} files, sha256 {b.sha256}"
                  f"{', signature ' + sig if sig else ''}")
     _guard(body, as_json=as_json)

@@ -1,5 +1,9 @@
 """Small helpers every `ddtree-ops` command group shares: JSON on stdout, messages on stderr,
-and turning the tool's exceptions into the documented exit codes."""
+and turning the tool's exceptions into the documented exit codes.
+
+A message often carries text from a host, a server or a file (an error's cause, a path): `log`
+passes every line through `terminal_safe`, so no escape sequence in it reaches the terminal or a CI
+log. JSON needs nothing more: `json.dumps` writes every control and non-ASCII character as `\\uXXXX`."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from typing import Any, Callable
 
 import typer
 
+from ..config.terminal import terminal_safe
 from ..errors import DdtreeOpsError
 from ..runbook.describe import interrupt_label
 
@@ -19,8 +24,9 @@ def emit_json(doc: Any) -> None:
 
 
 def log(msg: str) -> None:
-    """A line on stderr, flushed."""
-    sys.stderr.write(msg + "\n")
+    """A message on stderr, flushed; made safe for the terminal (a multi-line message, such as a
+    list of preflight refusals, keeps its line breaks)."""
+    sys.stderr.write(terminal_safe(msg, keep_newlines=True) + "\n")
     sys.stderr.flush()
 
 

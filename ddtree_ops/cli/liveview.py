@@ -2,7 +2,9 @@
 
 Both write to stderr only: stdout is reserved for the result (a table, or one JSON document).
 The live table takes every value as literal text (`tables.literal`): a host's message is never
-Rich markup.
+Rich markup. Both pass what hosts and servers say through `terminal_safe` (the live table by way
+of `literal`): a server's log line in a progress note cannot move the cursor, set the window
+title or write the clipboard, in a terminal or in a CI log read later.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import sys
 import threading
 import time
 
+from ..config.terminal import terminal_safe
 from ..fleet.rollout import Progress
 from ..runbook.events import Event, PhaseStarted
 
@@ -19,21 +22,24 @@ _STYLE = {"deployed": "green", "unchanged": "green", "rolled_back": "yellow", "r
 
 
 class PlainProgress(Progress):
-    """`[host] message` lines on stderr (CI logs)."""
+    """`[host] message` lines on stderr (CI logs). A message of several lines prints as several
+    lines, each with its prefix: no line of one host's text can pass for the tool's own or for
+    another host's."""
 
     def __init__(self):
         self._lock = threading.Lock()
 
-    def _w(self, line: str) -> None:
+    def _w(self, prefix: str, text: str) -> None:
+        lines = terminal_safe(text, keep_newlines=True).split("\n")
         with self._lock:
-            sys.stderr.write(line + "\n")
+            sys.stderr.write("".join(f"{prefix}{line}\n" for line in lines))
             sys.stderr.flush()
 
     def event(self, event: Event) -> None:
-        self._w(f"[{event.host}] {event.text}")
+        self._w(f"[{terminal_safe(event.host)}] ", event.text)
 
     def note(self, msg: str) -> None:
-        self._w(f"== {msg}")
+        self._w("== ", msg)
 
 
 class LiveProgress(Progress):
@@ -94,7 +100,7 @@ class LiveProgress(Progress):
                 r["phase"], r["phase_t0"] = event.phase, time.monotonic()
                 return
             msg = event.text
-            r["msg"] = msg.splitlines()[0] if msg else ""
+            r["msg"] = msg.split("\n")[0] if msg else ""
 
     def note(self, msg: str) -> None:
         with self._lock:

@@ -6,8 +6,9 @@ no fonts or images fetched from anywhere. A Content-Security-Policy in the page 
 the browser, so even a mistake in escaping could not run a script or reach the network.
 
 Everything in the document is untrusted text (host names, messages, log lines and step details
-come from the hosts): every value goes through `_t` (control characters shown as \\xNN, secrets
-masked again, then html.escape) before it reaches the page, in HTML and in SVG alike.
+come from the hosts): every value goes through `_t` (control, format and bidi characters shown as
+their escapes by `terminal_safe`, as on the terminal; secrets masked again; then html.escape)
+before it reaches the page, in HTML and in SVG alike.
 
 Input: `RolloutResult.to_dict()` (plus optional "patchset" and "bundle"). A step's "t" is the
 time at the END of the step, so a phase runs from the previous step's t (or, for the host's first
@@ -19,27 +20,23 @@ from __future__ import annotations
 import html
 import math
 import os
-import re
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from ..config.redaction import scrub
+from ..config.terminal import terminal_safe
 from ..host.heal_note import HEAL_STEP, healed_notes
 from ..runbook.events import StepDone
 
 # -- text --------------------------------------------------------------------------------------
 
-_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-
-
 def _clean(value: Any) -> str:
-    """A value as plain, displayable text: str(), lone surrogates (which JSON allows and UTF-8
-    cannot encode) replaced, control characters shown as \\xNN instead of reaching the page."""
-    s = "" if value is None else str(value)
-    s = s.encode("utf-8", "replace").decode("utf-8")
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", s)
+    """A value as plain, displayable text: str(), with control and format characters and lone
+    surrogates (which JSON allows and UTF-8 cannot encode) shown as their escapes; newlines and
+    tabs kept (a log line's layout)."""
+    return terminal_safe("" if value is None else value, keep_newlines=True)
 
 
 def _t(value: Any, *, secret: bool = False) -> str:

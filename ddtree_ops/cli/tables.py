@@ -5,13 +5,14 @@ is printed whole, since that output is what a person reads afterwards in a log.
 
 Every value goes to Rich as a `Text` (`literal`), never as a markup string: what a host sends
 (error messages, log lines, unit states, release ids, the lock holder's description) is printed
-as written, so `[red]`, `[link=...]` or `:emoji:` in it is not markup, and control characters
-(ESC, CR, ...) are shown as \\xNN instead of reaching the terminal.
+as written, so `[red]`, `[link=...]` or `:emoji:` in it is not markup; and every value, in a cell
+or on a line of its own, goes through `terminal_safe` first: control characters (ESC, CR, C1),
+bidi overrides and other format characters are shown as their escapes (`\\x1b`, `\\u202e`) instead
+of reaching the terminal. Only a multi-line block (a log tail, the unit diff) keeps its newlines.
 """
 
 from __future__ import annotations
 
-import re
 import sys
 import time
 from typing import Any
@@ -21,6 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..config.redaction import scrub_lines
+from ..config.terminal import terminal_safe
 from ..fleet.rollout import RolloutResult
 from ..host.heal_note import heal_note, healed_notes, unreported_heal
 from ..runbook.plan import HostPlan
@@ -37,12 +39,14 @@ def console() -> Console:
     return Console() if interactive() else Console(width=_UNLIMITED, soft_wrap=True)
 
 
-_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-
-
 def clean(value: Any) -> str:
-    """str(value) with control characters other than newline and tab shown as \\xNN."""
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", str(value))
+    """One line of text from outside, safe for the terminal (newlines shown as `\\n` too)."""
+    return terminal_safe(value)
+
+
+def block(value: Any) -> str:
+    """A multi-line block from outside (a log tail, a diff): its newlines kept, the rest escaped."""
+    return terminal_safe(value, keep_newlines=True)
 
 
 def literal(value: Any, style: str = "") -> Text:
@@ -73,7 +77,7 @@ def print_plan(p: HostPlan) -> None:
         t.add_row(*map(literal, (f.rel, f.action, (f.old_sha256 or "-")[:12], f.new_sha256[:12],
                                  f.status + (f" ({f.note})" if f.note else ""))))
     con.print(t)
-    print(clean(p.unit_diff or f"unit {p.unit_path}: unchanged"))
+    print(block(p.unit_diff or f"unit {p.unit_path}: unchanged"))
     print(clean(f"stop: {', '.join(p.stop_units) or 'nothing'}; restart: {p.restart_unit}"))
     for r in p.refusals:
         con.print(Text.assemble("  ", ("refused", "red"), ": ", literal(r)))
@@ -130,7 +134,7 @@ def print_rollout(res: RolloutResult) -> None:
     for r in res.results:
         if r.log:
             print(f"--- last log lines of {clean(r.host)} ---")
-            print(clean("\n".join(scrub_lines(r.log[-15:]))))  # scrubbed when read; masked again here
+            print(block("\n".join(scrub_lines(r.log[-15:]))))  # scrubbed when read; masked again here
     print(f"exit code {res.exit_code}")
 
 

@@ -29,7 +29,7 @@ from typing import Any, Iterable
 from ..errors import InputError, InventoryError, shown
 from .lock_settings import LOCK_LEASE_S, LOCK_RENEW_S, lease_duration, renew_interval
 from .perfgate_settings import PerfGateSettings, parse_perf_gate
-from .router_settings import RouterSettings, router_field
+from .router_settings import RouterSettings, normalize_url, router_field
 from .schema import (
     NAME_RE,
     OMIT,
@@ -37,6 +37,7 @@ from .schema import (
     Field,
     Invalid,
     abs_path,
+    address_list,
     apply,
     boolean,
     check_int,
@@ -64,6 +65,8 @@ from .schema import (
 from .yamlfile import YamlProblem, load_yaml
 
 BUDGET_MAX = 1024
+# A root-owned system interpreter on every supported distribution (Python 3.8 or newer there).
+AGENT_PYTHON = "/usr/bin/python3"
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,10 @@ class Host:
     # The deploy lock is a lease (config/lock_settings.py): renewed this often, lost after this long.
     lock_renew_s: float = LOCK_RENEW_S
     lock_lease_s: float = LOCK_LEASE_S
+    aliases: tuple[str, ...] = ()  # other addresses of the host, e.g. the one its router reaches it at
+    # The interpreter the agent (root) runs on: the system's, never the venv's, which whoever can
+    # write the venv controls (host/agent/interpreter.py refuses one that others can write).
+    agent_python: str = AGENT_PYTHON
 
     @property
     def multinode(self) -> bool:
@@ -338,6 +345,7 @@ HOST_FIELDS: tuple[Field, ...] = (
     Field("connect_timeout", number_range(0.5, 300), 10, attr="connect_timeout_s"),
     Field("site_packages", abs_path(), required=_PATH),
     Field("python", abs_path(), required=_PATH),
+    Field("agent_python", abs_path(), AGENT_PYTHON),
     Field("state_dir", _state_dir, "/var/lib/ddtree-ops", required=_PATH),
     Field("unit", unit_name(service=True), "sglang-k26-ddtree.service"),
     Field("conflicts", unit_list(not_field="unit"), ()),
@@ -365,6 +373,8 @@ HOST_FIELDS: tuple[Field, ...] = (
     Field("api_key_env", _api_key_env(), None),
     Field("health", table(HEALTH_FIELDS, HealthSettings), {}),
     Field("bundle_signers", table(BUNDLE_SIGNER_FIELDS, BundleSigners), None),
+    # Other addresses of this host (another network's IP, a DNS name): router.worker may use them.
+    Field("aliases", address_list(), ()),
     # The request router (smg) in front of the host: router_settings.py; its worker defaults to base_url.
     Field("router", router_field("base_url"), None),
     Field("perf_gate", None),  # parse_perf_gate, after the table (it reads a file beside the inventory)
@@ -499,7 +509,22 @@ def parse_inventory(doc: Any, fname: str = "<inventory>") -> Inventory:
             raise InventoryError(fname, hname, field, problem) from None
         hosts[hname] = Host(name=hname, groups=member_of, source=fname, **values)
     hosts = _resolve_servers(fname, hosts, host_chain, host_vars)
+    _check_workers_unique(fname, hosts)
     return Inventory(path=fname, hosts=hosts, groups={g: tuple(m) for g, m in groups.items()})
+
+
+def _check_workers_unique(fname: str, hosts: dict[str, Host]) -> None:
+    """Two hosts with one router worker: deploying one would take the other out of the router."""
+    seen: dict[str, str] = {}
+    for h in hosts.values():
+        if h.router is None:
+            continue
+        key = normalize_url(h.router.worker)
+        if key in seen:
+            raise InventoryError(fname, h.name, "router.worker",
+                                 f"{shown(h.router.worker)} is also host {seen[key]}'s worker: each host's server is "
+                                 f"its own worker (a worker set in group vars is every member's; set it per host)")
+        seen[key] = h.name
 
 
 def _check_keys(fname: str, hname: str, vars_: dict, where: str) -> None:

@@ -16,6 +16,7 @@ from .schema import Check, Field, Invalid, env_name, http_url, mapping, matching
 
 ROUTER_KINDS = ("smg",)
 DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_RETRY_WINDOW_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,9 @@ class RouterSettings:
     admin_key_env: str | None  # the variable holding the control-plane key; None: the router takes none
     worker: str  # this host's server as the router knows it (default: the host's base_url)
     timeout_s: float = DEFAULT_TIMEOUT_S  # for register/deregister to be done
+    # How long a router that does not answer (no connection, timeouts, 5xx) is asked again, with
+    # backoff, before the operation fails: a router restart does not roll a deploy back. 0: never.
+    retry_window_s: float = DEFAULT_RETRY_WINDOW_S
 
 
 ROUTER_FIELDS: tuple[Field, ...] = (
@@ -37,10 +41,21 @@ ROUTER_FIELDS: tuple[Field, ...] = (
                                     "control-plane key"), None),
     Field("worker", http_url(), None),
     Field("timeout_s", number_range(1, 3600), DEFAULT_TIMEOUT_S),
+    Field("retry_window_s", number_range(0, 3600), DEFAULT_RETRY_WINDOW_S),
 )
 
 
-def _settings(value: Any, default_worker: str) -> RouterSettings | None:
+@dataclass(frozen=True)
+class OwnServer:
+    """Where this host's own server answers: its base_url, its port, and every name the inventory
+    gives the host (address, base_url's host, `aliases`). A worker URL must be one of these."""
+
+    base_url: str
+    port: int
+    names: frozenset[str]
+
+
+def _settings(value: Any, default_worker: str, own: OwnServer | None = None) -> RouterSettings | None:
     """`value` (a `router:` mapping, or null: no router) as RouterSettings; Invalid names the
     field inside the mapping ('url', 'kind', ...)."""
     if value is None:
@@ -51,13 +66,45 @@ def _settings(value: Any, default_worker: str) -> RouterSettings | None:
     if normalize_url(values["worker"]) == normalize_url(values["url"]):
         raise Invalid(f"{shown(values['worker'])} is the router's own url: worker is this host's server as the "
                       f"router reaches it (default: the host's base_url)", "worker")
+    if own is not None:
+        _check_own_worker(values["worker"], own)
     return RouterSettings(**values)
+
+
+def _check_own_worker(worker: str, own: OwnServer) -> None:
+    """The worker is this host's server: deregistering it must take THIS host out of the router
+    (a worker set in group vars, or copied from another host, once took an untouched host out and
+    left the stopping one routed). Another address of the host is allowed once `aliases` says so."""
+    if normalize_url(worker) == normalize_url(own.base_url):
+        return
+    w, b = urlsplit(worker), urlsplit(own.base_url)
+    try:
+        w_port = w.port or _DEFAULT_PORTS.get(w.scheme.lower())
+        b_port = b.port or _DEFAULT_PORTS.get(b.scheme.lower())
+    except ValueError:
+        raise Invalid(f"{shown(worker)} has no valid port", "worker") from None
+    host = (w.hostname or "").lower()
+    if host not in own.names:
+        raise Invalid(f"{shown(worker)} is not this host's server: {host} is neither its address nor its "
+                      f"base_url's host; if it is another address of this host, list it in the host's `aliases`",
+                      "worker")
+    if w_port not in (own.port, b_port) or w.path.rstrip("/") != b.path.rstrip("/"):
+        raise Invalid(f"{shown(worker)} is not this host's server: it must be {own.base_url} or the same port "
+                      f"({own.port}) at another of the host's addresses", "worker")
+
+
+def own_server(done: dict[str, Any]) -> OwnServer:
+    """The host's own server from its fields validated so far (address, port, base_url, aliases)."""
+    base = done["base_url"]
+    names = {done["address"].lower(), (urlsplit(base).hostname or "").lower(),
+             *(a.lower() for a in done.get("aliases") or ())}
+    return OwnServer(base, done["port"], frozenset(n.strip("[]") for n in names))
 
 
 def router_field(default_worker_field: str = "base_url") -> Check:
     """The inventory row's validator: the worker URL defaults to the field named (validated
-    before it in the same table)."""
-    return lambda value, done: _settings(value, done[default_worker_field])
+    before it in the same table) and must be the host's own server (`own_server`)."""
+    return lambda value, done: _settings(value, done[default_worker_field], own_server(done))
 
 
 def parse_router(doc: Any, where: str, default_worker: str) -> RouterSettings | None:

@@ -260,6 +260,18 @@ def host_address() -> Check:
     return check
 
 
+def address_list() -> Check:
+    """IP addresses or DNS names: a list, one name, or null (none)."""
+    one = host_address()
+
+    def check(value: Any, done: Mapping[str, Any]) -> tuple[str, ...]:
+        names = [value] if isinstance(value, str) else [] if value is None else value
+        if not isinstance(names, (list, tuple)):
+            raise Invalid(f"must be a list of IP addresses or DNS names, got {shown(value)}")
+        return tuple(one(n, done) for n in names)
+    return check
+
+
 def launch_value() -> Check:
     """A value on the launch command line: a local path or a hub id such as moonshotai/Kimi-K2.6."""
 

@@ -15,7 +15,7 @@ from typing import Callable
 
 from ..artifacts.patchset import PatchSet
 from ..config.inventory import Host
-from ..errors import DdtreeOpsError, DeployFailed, Interrupted, RollbackFailed
+from ..errors import ChangedSincePreflight, DdtreeOpsError, DeployFailed, Interrupted, RollbackFailed, reason
 from ..host.session import HostSession
 from ..runbook.deploy import refusal
 from ..runbook.engine import DeployEnd, DeployRun, Prepared, health_gated, lock_all, prepare, rollback_nodes, transact
@@ -84,8 +84,11 @@ def _server_rows(run: DeployRun, end: DeployEnd, t0: float) -> list[HostResult]:
     if end.exc is None:
         return rows(Outcome.DEPLOYED, 0, message="; ".join(w for n in run.nodes for w in n.warnings))
     step, message, name = end.failed_step, end.message, run.server
+    if isinstance(end.exc, ChangedSincePreflight) and not run.started:  # refused at backup, nothing changed
+        return rows(Outcome.REFUSED, ChangedSincePreflight.exit_code, failed_step=step,
+                    message=f"server {name}: {reason(end.exc)}")
     if end.rollback_errors:
-        problems = "; ".join(f"{node}: {e}" for node, e in end.rollback_errors)
+        problems = "; ".join(f"{node}: {reason(e)}" for node, e in end.rollback_errors)
         return rows(Outcome.ROLLBACK_FAILED, RollbackFailed.exit_code, failed_step=step, log=end.log,
                     message=f"server {name}: deploy failed at {step} ({message}) and the rollback failed: "
                             f"{problems}; a person must look")

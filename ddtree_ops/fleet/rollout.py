@@ -44,7 +44,7 @@ from fractions import Fraction
 from typing import Any, Callable
 
 from ..config.inventory import Host, Inventory
-from ..errors import EXIT_ERROR, EXIT_NEEDS_PERSON, EXIT_OK, EXIT_ROLLED_BACK, InputError
+from ..errors import EXIT_ERROR, EXIT_NEEDS_PERSON, EXIT_OK, EXIT_ROLLED_BACK, InputError, reason
 from ..runbook.describe import Interrupt, interrupt_label, interrupted_by
 from ..runbook.events import Event, EventSink, Failed
 from ..runbook.results import SUCCESS, HostResult, Outcome, failed_result, overall_exit_code
@@ -303,7 +303,7 @@ class Rollout:
                        for h in t.hosts]
         except Exception as e:  # a bug must be a row too, not a crash of the whole rollout
             results = [failed_result(h.name, e, time.monotonic() - t0, outcome=Outcome.FAILED, exit_code=EXIT_ERROR,
-                                     message=f"{type(e).__name__}: {e}") for h in t.hosts]
+                                     message=reason(e)) for h in t.hosts]
         if action is self.action and self.kind == "rollback" and self._interrupts:
             results = [_ran_to_its_end(r, self._interrupts[0]) for r in results]
         for r in results:

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import httpx
 
 from ..config.inventory import HealthSettings, Host
 from ..config.redaction import scrub_lines
 from ..config.secrets import known_secrets
+from ..host.bounded_http import BodyTooLarge, DeadlineExceeded, json_body
 from ..host.services import UnitProbe
 from .startup import Phase, PhaseTracker, Transition
 
@@ -60,15 +61,22 @@ def latest_milestone(log: list[str]) -> str | None:
 
 
 def health_status(client: httpx.Client, timeout: float | None = None) -> int | str:
-    """HTTP status of /health, or 'refused'/'timeout'/... while there is no usable listener."""
+    """HTTP status of /health, or 'refused'/'timeout'/... while there is no usable listener.
+    `timeout` None: the client's own (httpx takes an explicit None as no timeout at all)."""
     try:
-        return client.get("/health", timeout=timeout).status_code
+        return client.get("/health", timeout=_or_default(timeout)).status_code
     except httpx.ConnectError:
         return "refused"
+    except (DeadlineExceeded, BodyTooLarge) as e:  # a server that trickles, or sends without end
+        return f"{'timeout' if isinstance(e, DeadlineExceeded) else 'refused answer'} ({e.reason})"
     except httpx.TimeoutException:
         return "timeout"
     except httpx.HTTPError as e:
         return type(e).__name__
+
+
+def _or_default(timeout: float | None) -> Any:
+    return httpx.USE_CLIENT_DEFAULT if timeout is None else timeout
 
 
 def phase_deadlines(hs: HealthSettings) -> dict[Phase, tuple[str, float]]:
@@ -155,7 +163,7 @@ def health_gate(session: ServerAccess, unit: str, expected_pid: int | None = Non
         accept = None
         if hs.min_accept_length is not None:
             try:
-                info = client.get("/server_info").json()
+                info = json_body(client.get("/server_info"))
                 accept = float(info["internal_states"][0]["avg_spec_accept_length"])
             except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
                 raise HealthFailure(f"/server_info has no avg_spec_accept_length ({type(e).__name__})") from None
@@ -175,12 +183,14 @@ def generated_text(client: httpx.Client, hs: HealthSettings) -> str:
             "sampling_params": {"temperature": 0.7, "top_p": 0.9, "top_k": 50,
                                 "max_new_tokens": hs.generate_max_new_tokens},
         })
+    except (DeadlineExceeded, BodyTooLarge) as e:  # its message names the URL and the bound
+        raise HealthFailure(f"POST /generate failed: {e}") from None
     except httpx.HTTPError as e:
         raise HealthFailure(f"POST /generate failed: {type(e).__name__}: {e}") from None
     if r.status_code != 200:
         raise HealthFailure(f"POST /generate answered {r.status_code}: {r.text[:200]}")
     try:
-        body = r.json()
+        body = json_body(r)
     except ValueError:
         raise HealthFailure("POST /generate returned no JSON") from None
     text = body.get("text") if isinstance(body, dict) else None
@@ -219,10 +229,10 @@ def in_flight(client: httpx.Client, timeout: float | None = None) -> int | None:
     SGLang 0.5.23's `/v1/loads?include=core` (`num_running_reqs` + `num_waiting_reqs` per rank);
     None when the server does not answer it (not serving, or too old to have it)."""
     try:
-        r = client.get("/v1/loads", params={"include": "core"}, timeout=timeout)
+        r = client.get("/v1/loads", params={"include": "core"}, timeout=_or_default(timeout))
         if r.status_code != 200:
             return None
-        loads = r.json().get("loads")
+        loads = json_body(r).get("loads")
         return sum(int(x.get("num_running_reqs", 0)) + int(x.get("num_waiting_reqs", 0)) for x in loads)
     except (httpx.HTTPError, ValueError, TypeError, AttributeError):
         return None

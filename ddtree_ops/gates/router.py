@@ -42,12 +42,13 @@ import os
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import httpx
 
 from ..config.router_settings import ROUTER_KINDS, RouterSettings, normalize_url
 from ..errors import DdtreeOpsError, InputError, shown
+from ..host.bounded_http import IDENTITY, BodyTooLarge, DeadlineExceeded, bounded_transport
 from ..host.tls import tls_context
 
 
@@ -57,8 +58,21 @@ class RouterError(DdtreeOpsError):
     is guessed."""
 
 
+class RouterUnavailable(RouterError):
+    """One request found the router down or failing (no connection, a timeout, a 5xx answer):
+    worth asking again, within router.retry_window_s. A 4xx (a wrong key included) is final."""
+
+
 # ------------------------------------------------------------------------------------------------
 # the client
+
+_T = TypeVar("_T")
+
+
+def backoff_s(tries: int) -> float:
+    """The pause after the `tries`-th failed request in a row: 0.5 s, doubling, at most 5 s."""
+    return min(5.0, 0.5 * 2 ** (tries - 1))
+
 
 _UUID_RE = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 
@@ -99,6 +113,7 @@ class SmgRouter:
         self._sleep = sleep
         self._clock = clock
         self._http: httpx.Client | None = None
+        self.down_s = 0.0  # seconds spent waiting for an unavailable router (they extend the waits)
 
     # -- plumbing ----------------------------------------------------------------------------
     def __enter__(self) -> SmgRouter:
@@ -117,7 +132,7 @@ class SmgRouter:
 
     def _client(self) -> httpx.Client:
         if self._http is None:
-            headers = {}
+            headers = dict(IDENTITY)
             name = self.settings.admin_key_env
             if name:
                 key = os.environ.get(name)
@@ -125,22 +140,53 @@ class SmgRouter:
                     raise RouterError(f"{self._where()}: the environment variable {name} (router.admin_key_env) "
                                       f"is not set: it must hold the router's control-plane key")
                 headers["Authorization"] = "Bearer " + key
-            self._http = httpx.Client(
-                base_url=self.settings.url, headers=headers, trust_env=False, transport=self._transport,
-                timeout=min(10.0, self.settings.timeout_s),
-                verify=tls_context() if self.settings.url.startswith("https:") else True)
+            self._http = httpx.Client(  # each request bounded whole by its timeout (bounded_http)
+                base_url=self.settings.url, headers=headers, trust_env=False,
+                transport=bounded_transport(self._transport, tls_context()),
+                timeout=min(10.0, self.settings.timeout_s))
         return self._http
+
+    def _api(self, method: str, path: str, body: Any = None, ok: tuple[int, ...] = (200,)) -> httpx.Response:
+        """`_call`, asked again while the router is unavailable (RouterUnavailable), with backoff,
+        until router.retry_window_s has passed since the first failure: a router restarting or
+        briefly down does not fail the deploy. Not for a DELETE (see `deregister`)."""
+        return self._retrying(lambda: self._call(method, path, body, ok))
+
+    def _retrying(self, fn: Callable[[], _T]) -> _T:
+        first: float | None = None
+        tries = 0
+        while True:
+            try:
+                result = fn()
+            except RouterUnavailable as e:
+                now = self._clock()
+                first = now if first is None else first
+                tries += 1
+                window = self.settings.retry_window_s
+                if now - first >= window:
+                    raise RouterUnavailable(f"{e} (unavailable for {now - first:.0f} s, {tries} tries; "
+                                            f"router.retry_window_s is {window:g} s)") from None
+                self._sleep(min(backoff_s(tries), first + window - now))
+                continue
+            if first is not None:
+                self.down_s += self._clock() - first
+            return result
 
     def _call(self, method: str, path: str, body: Any = None, ok: tuple[int, ...] = (200,)) -> httpx.Response:
         """One control-plane request; RouterError (never quoting the key) unless its status is
-        in `ok`."""
+        in `ok`: RouterUnavailable for no answer or a 5xx."""
         client = self._client()
         try:
             r = client.request(method, path, json=body)
+        except (DeadlineExceeded, BodyTooLarge) as e:  # its message names the request and the bound
+            raise RouterUnavailable(f"router: {e}") from None
         except httpx.HTTPError as e:
-            raise RouterError(f"{self._where()}: {method} {path}: {type(e).__name__}: {e}") from None
+            raise RouterUnavailable(f"{self._where()}: {method} {path}: {type(e).__name__}: {e}") from None
         if r.status_code in ok:
             return r
+        if r.status_code >= 500:
+            raise RouterUnavailable(f"{self._where()}: {method} {path} answered {r.status_code}: "
+                                    f"{shown(r.text, 200)}")
         if r.status_code in (401, 403):
             who = (f"the key in ${self.settings.admin_key_env}" if self.settings.admin_key_env
                    else "no key (router.admin_key_env is not set)")
@@ -171,6 +217,14 @@ class SmgRouter:
     # -- queries -----------------------------------------------------------------------------
     def workers(self) -> list[WorkerEntry]:
         """Every worker registered with the router (not those still being added)."""
+        return self._retrying(self._list_workers)
+
+    def check(self) -> None:
+        """One look at the router (no retry): RouterError unless it answers with the key we hold.
+        Preflight's: a router down before anything changed refuses the deploy at once."""
+        self._list_workers()
+
+    def _list_workers(self) -> list[WorkerEntry]:
         r = self._call("GET", "/workers")
         doc = self._json(r, f"{self._where()}: GET /workers")
         items = doc.get("workers") if isinstance(doc, dict) else None
@@ -181,10 +235,10 @@ class SmgRouter:
         except ValueError as e:
             raise RouterError(f"{self._where()}: GET /workers: {e}") from None
 
-    def entries(self, worker_url: str) -> list[WorkerEntry]:
+    def entries(self, worker_url: str, listing: Callable[[], list[WorkerEntry]] | None = None) -> list[WorkerEntry]:
         """The router's entries for `worker_url` (normalised: `http://h:1/` is `http://h:1`)."""
         want = normalize_url(worker_url)
-        return [w for w in self.workers() if normalize_url(w.url) == want]
+        return [w for w in (listing or self.workers)() if normalize_url(w.url) == want]
 
     def is_registered(self, worker_url: str) -> bool:
         """The router has the worker in its pool: listed and not on its way out (draining). A
@@ -193,7 +247,7 @@ class SmgRouter:
         return any(not w.draining for w in self.entries(worker_url))
 
     def _worker(self, worker_id: str) -> dict | None:
-        r = self._call("GET", f"/workers/{worker_id}", ok=(200, 404))
+        r = self._api("GET", f"/workers/{worker_id}", ok=(200, 404))
         if r.status_code == 404:
             return None
         doc = self._json(r, f"{self._where()}: GET /workers/{worker_id}")
@@ -217,17 +271,23 @@ class SmgRouter:
             if i:  # smg may have drained a look-alike entry with the first: never DELETE a draining one
                 w = next((e for e in self.entries(worker_url) if e.id == w.id), None)
             if w is not None and not w.draining:
-                self._call("DELETE", f"/workers/{w.id}", ok=(200, 202, 204, 404))
-        deadline = self._clock() + self.settings.timeout_s
+                self._retrying(lambda w=w: self._delete_once(worker_url, w.id))
+        deadline, down = self._clock() + self.settings.timeout_s, self.down_s
         while True:
             left = [w for w in self.entries(worker_url) if not w.draining]
             if not left:
                 return True
-            if self._clock() >= deadline:
+            if self._clock() >= deadline + (self.down_s - down):
                 states = ", ".join(f"{w.id} {w.status}" for w in left)
                 raise RouterError(f"{self._where()}: worker {worker_url} still listed and not draining "
                                   f"{self.settings.timeout_s:g} s after its removal was requested ({states})")
             self._sleep(self._poll)
+
+    def _delete_once(self, worker_url: str, worker_id: str) -> None:
+        """DELETE the entry unless it is draining or gone already: a DELETE whose answer was lost
+        may have been done, and a second one would end its drain window at once."""
+        if any(e.id == worker_id and not e.draining for e in self.entries(worker_url, self._list_workers)):
+            self._call("DELETE", f"/workers/{worker_id}", ok=(200, 202, 204, 404))
 
     def register(self, worker_url: str) -> None:
         """Add the worker and return once the router lists it ready and healthy: from then on
@@ -236,7 +296,7 @@ class SmgRouter:
         entry for the same URL. RouterError on an API error, a failed registration, or when the
         worker is not ready within `timeout_s` (the message gives its last state)."""
         url = normalize_url(worker_url)
-        deadline = self._clock() + self.settings.timeout_s
+        deadline, down = self._clock() + self.settings.timeout_s, self.down_s
         worker_id: str | None = None
         last = "not added yet"
         while True:
@@ -265,7 +325,7 @@ class SmgRouter:
                                           f"{shown(job.get('message') or 'no message', 300)}")
                     last = f"status {w.status if w else doc.get('status')!r}" + (
                         f", job {job.get('status')}" if job.get("status") else "")
-            if self._clock() >= deadline:
+            if self._clock() >= deadline + (self.down_s - down):
                 raise RouterError(
                     f"{self._where()}: worker {url} not ready within {self.settings.timeout_s:g} s ({last}). smg "
                     f"adds only a worker whose /health answers 200 and retries one that does not every "
@@ -274,7 +334,7 @@ class SmgRouter:
 
     def _add(self, url: str) -> tuple[str | None, str]:
         """POST /workers; (the new or in-progress entry's id, or None to look again; what happened)."""
-        r = self._call("POST", "/workers", {"url": url}, ok=(200, 201, 202, 409))
+        r = self._api("POST", "/workers", {"url": url}, ok=(200, 201, 202, 409))
         doc = self._json(r, f"{self._where()}: POST /workers")
         if r.status_code != 409:
             wid = doc.get("worker_id") if isinstance(doc, dict) else None

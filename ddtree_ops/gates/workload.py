@@ -21,12 +21,16 @@ import httpx
 
 from ..config.workload_settings import Workload
 from ..errors import shown
+from ..host.bounded_http import BODY_CAP_EXTENSION, BodyTooLarge, DeadlineExceeded
 
 # A server that fails every request fails fast: stop launching once this many errors are more
 # than half of what finished (the verdict is "fail" anyway; hammering a broken server helps no one).
 ERROR_CUTOFF = 20
 ERROR_EXAMPLES = 5  # distinct error messages kept for the report
 STOP_GRACE_S = 2.0  # after a stop, how long measure() waits for the workers to close their streams
+# SGLang's stream repeats the whole text so far in every chunk: 4096 tokens of escaped non-ASCII
+# text come to about 200 MB. Over that, the stream is not an answer to this workload.
+STREAM_MAX_BYTES = 256 * 1024 * 1024
 
 
 # --------------------------------------------------------------------------- measurement
@@ -186,17 +190,21 @@ class _Run:
         w = self.workload
         start = self.clock()
         try:
-            with self.client.stream("POST", "/generate", json=w.request_body(index),
-                                    timeout=w.request_timeout_s) as r:
+            with self.client.stream("POST", "/generate", json=w.request_body(index), timeout=w.request_timeout_s,
+                                    extensions={BODY_CAP_EXTENSION: STREAM_MAX_BYTES}) as r:
                 if r.status_code != 200:
                     return _RequestResult(False, f"HTTP {r.status_code}: {_head(r)}")
                 return self.read_stream(r, start)
         except _StreamError as e:
             return _RequestResult(False, str(e))
-        except httpx.TimeoutException:
+        except httpx.TimeoutException as e:
             if self.stop.is_set():
                 return None
+            if isinstance(e, DeadlineExceeded):
+                return _RequestResult(False, f"timeout ({e.reason})")
             return _RequestResult(False, f"timeout (no answer within {w.request_timeout_s:g} s)")
+        except BodyTooLarge as e:
+            return _RequestResult(False, e.reason)
         except httpx.HTTPError as e:
             if self.stop.is_set():  # the stop closed the stream under it
                 return None
@@ -217,7 +225,7 @@ class _Run:
                 return res
             try:
                 chunk = json.loads(data)
-            except ValueError:
+            except (ValueError, RecursionError):
                 raise _StreamError(f"bad stream: not JSON: {shown(data)}") from None
             if not isinstance(chunk, dict):
                 raise _StreamError(f"bad stream: not a JSON object: {shown(chunk)}")
@@ -287,7 +295,8 @@ def measure(client: httpx.Client, workload: Workload, *, clock: Callable[[], flo
     streaming `POST /generate` requests one after another.
 
     A request fails (counts in `errors`) on a status other than 200, a connection error, a
-    timeout (`request_timeout_s`, per read and for the whole request), a stream that is not
+    timeout (`request_timeout_s`, for the whole request: a trickling stream or one of keep-alive
+    comments ends there, see host/bounded_http.py), a body over STREAM_MAX_BYTES, a stream that is not
     SGLang's (not JSON, no `meta_info.completion_tokens`, no `[DONE]`), an `error` chunk or a
     chunk finished with reason "abort". TTFT is the time from sending to the first chunk that
     carries a completion token.

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from . import agent
 
-ENTRY = "serve"  # the module that defines serve(), which BOOTSTRAP calls
+ENTRY = "serve"  # the module that defines main(), which BOOTSTRAP calls
 OLDEST_HOST_PYTHON = (3, 8)  # the oldest interpreter an SGLang venv on a host may have
 
 

@@ -1,7 +1,8 @@
 """The agent on a host, reached over one SSH channel per operation.
 
-`AgentChannel` starts ONE agent process per operation on the host's own Python (`python -I -S -c
-BOOTSTRAP`, under `sudo -n` for a non-root user), sends it the agent's source (its modules joined
+`AgentChannel` starts ONE agent process per operation on the host's system Python (`agent_python
+-I -S -c BOOTSTRAP`, under `sudo -n` for a non-root user; never the venv's interpreter, which whoever
+can write the venv controls), sends it the agent's source (its modules joined
 into one, see agent_source.py), and then every request of the operation over that one channel: no
 file is left behind, no value passes through a shell, and no SSH exec or Python start is paid per
 step. That process holds the deploy lock as a lease: the channel's heartbeat (lease.py) renews it
@@ -18,19 +19,52 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import threading
 import time
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, TypeVar
 
 from ..config.inventory import Host
-from ..errors import LeaseLost, RemoteCommandError, UnreachableError
+from ..errors import LeaseLost, PreflightError, RemoteCommandError, UnreachableError, reason, shown
 from .agent import BOOTSTRAP
-from .agent.protocol import Hello, HelloReply, Renew, Request
+from .agent.protocol import Hello, HelloReply, ProtocolError, Renew, Request
 from .agent_source import agent_source
 from .hooks import NO_HOOKS, Hooks, call_name
 from .lease import Heartbeat, LeaseWatch, lease_clock
 from .transport import HostConnection
+
+R = TypeVar("R")
+
+# A reply is one JSON line; the biggest real one (the facts of a large patch set) is a few MiB. A
+# host that sends more without a line end is not an agent: the channel stops reading and ends it.
+MAX_REPLY_BYTES = 64 * 1024 * 1024
+REPLY_CAP_ENV = "DDTREE_OPS_MAX_REPLY_BYTES"  # a test lowers the cap without streaming 64 MiB
+# Real replies nest a handful of levels; a deeper one would reach code that walks it recursively.
+MAX_REPLY_DEPTH = 64
+STDERR_READ_MAX = 1 << 20  # an agent's error output read after it ended: enough for a traceback
+
+
+def reply_cap() -> int:
+    """The longest reply line accepted (MAX_REPLY_BYTES unless the environment lowers it)."""
+    raw = os.environ.get(REPLY_CAP_ENV, "")
+    return int(raw) if raw.isdigit() and 0 < int(raw) < MAX_REPLY_BYTES else MAX_REPLY_BYTES
+
+
+def nesting_depth(value: Any, limit: int) -> int:
+    """How deeply `value` nests lists and dicts, counted without recursion and only up to
+    `limit` + 1 (deeper is refused anyway)."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if not isinstance(v, (dict, list)):
+            continue
+        deepest = max(deepest, depth)
+        if depth > limit:
+            return depth
+        stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
 
 
 class AgentTransport(Protocol):
@@ -42,9 +76,10 @@ class AgentTransport(Protocol):
 
 
 def agent_argv(python: str) -> list[str]:
-    """How the host's Python runs the agent: isolated (-I: no PYTHONPATH, no user site, no
-    current folder) and without `site` (-S), so no `.pth` file in the venv runs as root. The agent
-    needs only the standard library."""
+    """How the host's system Python (the inventory's `agent_python`) runs the agent: isolated (-I:
+    no PYTHONPATH, no user site, no current folder) and without `site` (-S). The agent needs only
+    the standard library; nothing of the venv runs as root (the agent runs the venv's interpreter
+    only as the unit's User=, for the compile and the launch check)."""
     return [python, "-I", "-S", "-c", BOOTSTRAP]
 
 
@@ -60,6 +95,7 @@ class AgentChannel:
         self.conn, self.host, self.hooks = conn, host, hooks
         self._chan: Any = None
         self._buf = bytearray()
+        self._scanned = 0  # the first bytes of _buf already searched for a line end (none there)
         self._broken: str | None = None
         self._io = threading.Lock()  # one exchange at a time: requests and heartbeats
         self.watch = LeaseWatch(host.name, host.lock_lease_s, host.lock_renew_s, clock)
@@ -68,17 +104,26 @@ class AgentChannel:
         self.hello: HelloReply | None = None  # the agent's first answer: its pid, Python, unit
 
     def _start(self) -> None:
-        chan = self.conn.start(agent_argv(self.host.python))
+        chan = self.conn.start(agent_argv(self.host.agent_python))
         source = agent_source().encode()
         try:
             chan.sendall(b"%010d" % len(source) + source)
         except (OSError, EOFError) as e:
             chan.close()
-            raise UnreachableError(f"{self.host.name}: connection lost while starting the agent: {e}") from None
-        self._chan, self._buf = chan, bytearray()
+            raise UnreachableError(f"{self.host.name}: connection lost while starting the agent: {reason(e)}") from None
+        self._chan, self._buf, self._scanned = chan, bytearray(), 0
         self.starts += 1
         answer = self._exchange(Hello(self.host.lock_lease_s).to_wire(), self.host.connect_timeout_s + 30)
-        self.hello = HelloReply.from_wire(answer_result(self.host.name, "hello", answer))
+        try:
+            self.hello = HelloReply.from_wire(answer_result(self.host.name, "hello", answer))
+        except ProtocolError as e:
+            self._fail(f"not an agent's hello: {e}")
+            raise RemoteCommandError(f"{self.host.name}: remote step 'hello': not an agent's answer: "
+                                     f"{str(e)[:300]}; the agent was stopped") from None
+        if self.hello.refused:
+            self._fail(f"the agent refused its interpreter: {self.hello.refused}")
+            raise PreflightError(self.host.name, f"agent_python {self.host.agent_python}: "
+                                                 f"{self.hello.refused[:600]}")
         self._start_heartbeat()
 
     def call(self, request: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -133,7 +178,8 @@ class AgentChannel:
         try:
             chan.sendall(json.dumps(request).encode() + b"\n")
             deadline = time.monotonic() + timeout
-            while (nl := self._buf.find(b"\n")) < 0:
+            cap = reply_cap()
+            while (nl := self._line_end(op, cap)) < 0:
                 left = deadline - time.monotonic()
                 if abortable and self._heartbeat is not None and self._heartbeat.stopped:
                     raise UnreachableError(f"{self.host.name}: the channel was closed during a heartbeat")
@@ -149,20 +195,51 @@ class AgentChannel:
                     raise UnreachableError(f"{self.host.name}: {self._why_ended(op)}")
                 self._buf += chunk
         except (OSError, EOFError, ValueError) as e:  # ValueError: a pipe closed under a heartbeat
-            self._fail(f"connection lost during remote step {op!r}: {e}")
-            raise UnreachableError(f"{self.host.name}: connection lost during remote step {op!r}: {e}") from None
+            why = f"connection lost during remote step {op!r}: {reason(e)}"
+            self._fail(why)
+            raise UnreachableError(f"{self.host.name}: {why}") from None
         except UnreachableError as e:
             self._fail(str(e).split(": ", 1)[-1])
             raise
         line = bytes(self._buf[:nl])
         del self._buf[:nl + 1]
+        self._scanned = 0
+        answer = self._parse(op, line)
+        self.watch.answered()
+        return answer
+
+    def _line_end(self, op: str, cap: int) -> int:
+        """Where the reply's line ends in the buffer (-1: not yet), searching only the bytes that
+        came since the last look. A reply longer than `cap` breaks the channel (RemoteCommandError)."""
+        nl = self._buf.find(b"\n", self._scanned)
+        self._scanned = len(self._buf) if nl < 0 else 0
+        if (nl if nl >= 0 else len(self._buf)) > cap:
+            self._buf, self._scanned = bytearray(), 0
+            why = f"the answer to {op!r} is longer than {cap} bytes (the reply cap)"
+            self._fail(f"{why}; the agent was stopped")
+            raise RemoteCommandError(f"{self.host.name}: {why}; the agent was stopped")
+        return nl
+
+    def _parse(self, op: str, line: bytes) -> dict[str, Any]:
+        """The reply line → its document: a JSON object nested at most MAX_REPLY_DEPTH levels;
+        anything else breaks the channel (RemoteCommandError, one line)."""
         try:
             answer = json.loads(line)
+        except RecursionError:
+            answer, why = None, f"nested deeper than {MAX_REPLY_DEPTH} levels"
         except ValueError:
+            err = self._stderr()  # read before the channel closes: a traceback may explain the answer
             self._fail(f"unreadable answer to {op!r}")
             raise RemoteCommandError(f"{self.host.name}: remote step {op!r}: unreadable answer from "
-                                     f"{self.host.python}: {line[-300:]!r} {self._stderr()}") from None
-        self.watch.answered()
+                                     f"{self.host.agent_python}: {line[-300:]!r} {err}") from None
+        else:
+            why = ("not a JSON object" if not isinstance(answer, dict)
+                   else f"nested deeper than {MAX_REPLY_DEPTH} levels"
+                   if nesting_depth(answer, MAX_REPLY_DEPTH) > MAX_REPLY_DEPTH else "")
+        if why:
+            self._fail(f"unusable answer to {op!r}: {why}")
+            raise RemoteCommandError(f"{self.host.name}: remote step {op!r}: unusable answer from "
+                                     f"{self.host.agent_python} ({len(line)} bytes, {why}); the agent was stopped")
         return answer
 
     def _why_ended(self, op: str) -> str:
@@ -175,13 +252,14 @@ class AgentChannel:
         return f"connection lost during remote step {op!r} (the SSH channel closed without an exit status)"
 
     def _stderr(self) -> str:
-        err = b""
+        err, read = b"", 0
         try:
-            while self._chan is not None and self._chan.recv_stderr_ready():
+            while self._chan is not None and read < STDERR_READ_MAX and self._chan.recv_stderr_ready():
                 chunk = self._chan.recv_stderr(1 << 16)
                 if not chunk:  # end of the stream: a channel may still call that "ready"
                     break
-                err += chunk
+                read += len(chunk)
+                err = (err + chunk)[-(1 << 16):]
         except (OSError, EOFError):
             pass
         text = err.decode(errors="replace").strip()
@@ -220,7 +298,9 @@ class AgentChannel:
 def answer_result(host: str, op: str, answer: dict[str, Any]) -> dict[str, Any]:
     """The agent's answer document → its result, or the error it reported."""
     if not answer.get("ok"):
-        raise RemoteCommandError(f"{host}: remote step {op!r} failed: {answer.get('error')}")
+        raise RemoteCommandError(f"{host}: remote step {op!r} failed: {str(answer.get('error'))[:4000]}")
+    if "result" not in answer:
+        raise RemoteCommandError(f"{host}: remote step {op!r}: an answer without a result")
     return answer["result"]
 
 
@@ -228,3 +308,14 @@ def ask(agent: AgentTransport, request: Request, timeout: float) -> Any:
     """Send one typed request; the result document it answers (RemoteCommandError if the agent
     reported an error)."""
     return agent.call(request.to_wire(), timeout)
+
+
+def ask_reply(agent: AgentTransport, request: Request, reply_type: type[R], timeout: float, host: str) -> R:
+    """`ask`, the answer read as `reply_type`. An answer of another shape (a hostile or broken
+    host) is a RemoteCommandError naming the host, never a traceback."""
+    doc = ask(agent, request, timeout)
+    try:
+        return reply_type.from_wire(doc)
+    except ProtocolError as e:
+        raise RemoteCommandError(f"{host}: remote step {request.OP!r}: not the answer the tool expects: "
+                                 f"{shown(str(e), 300)}") from None

@@ -2,7 +2,9 @@
 
 The server's API key comes from the operator's environment (the variable `api_key_env` names);
 the server itself reads it from secrets_config on the host. The TLS context is the run's one
-(tls.py). The request router has its own client (gates.router), not this one.
+(tls.py). Every request is bounded (bounded_http.py): its timeout is the deadline for the whole
+answer, and its body is capped. The request router has its own client (gates.router), not this
+one, bounded the same way.
 """
 
 from __future__ import annotations
@@ -11,15 +13,16 @@ import httpx
 
 from ..config.inventory import Host
 from ..config.secrets import api_key
+from .bounded_http import IDENTITY, bounded_transport
 from .tls import tls_context
 
 
 def http_client(host: Host, transport: httpx.BaseTransport | None = None) -> httpx.Client:
     """A client for the host's server. `transport`: None for the network; a fake host passes its
     httpx.MockTransport."""
-    headers = {}
+    headers = dict(IDENTITY)
     key = api_key(host)
     if key:
         headers["Authorization"] = "Bearer " + key
     return httpx.Client(base_url=host.base_url, timeout=host.health.request_timeout_s, headers=headers,
-                        trust_env=False, transport=transport, verify=tls_context())
+                        trust_env=False, transport=bounded_transport(transport, tls_context()))

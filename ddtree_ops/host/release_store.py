@@ -15,13 +15,14 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from ..config.inventory import Host
 from ..errors import LeaseLost, LockHeldError
 from .agent.protocol import (
     Backup,
     BackupPath,
+    BackupReply,
     Compile,
     CompileReply,
     Facts,
@@ -47,7 +48,7 @@ from .agent.protocol import (
     VerifyUnit,
     VerifyUnitReply,
 )
-from .channel import AgentTransport, ask
+from .channel import AgentTransport, ask, ask_reply
 from .lease import lease_lost_message
 
 
@@ -69,6 +70,7 @@ class LockHolder:
 # How long `lock` waits for a holder that is just ending (its agent reading EOF and exiting).
 LOCK_GRACE_S = 3.0
 # Every store op answers within this (a backup or an install of a patch set's files included).
+R = TypeVar("R")
 STORE_TIMEOUT_S = 300.0
 
 
@@ -82,11 +84,14 @@ class ReleaseStore:
     def _ask(self, request: Request) -> Any:
         return ask(self.agent, request, STORE_TIMEOUT_S)
 
+    def _reply(self, request: Request, reply_type: type[R]) -> R:
+        return ask_reply(self.agent, request, reply_type, STORE_TIMEOUT_S, self.host.name)
+
     # -- facts ---------------------------------------------------------------------------------
     def facts(self, paths: list[str], secret_paths: list[str] = ()) -> dict[str, Any]:
         """Host facts; `secret_paths` get mode and owner only (no hash of a secret leaves the host)."""
         return self._ask(Facts(self.state_dir, self.host.site_packages, self.host.unit_path, list(paths),
-                               list(secret_paths)))
+                               list(secret_paths), python=self.host.python, service_user=self.host.service_user))
 
     def unit_text(self, unit_path: str) -> str | None:
         """The text of a unit file on the host (None: there is none), read as `facts` reads the
@@ -94,13 +99,13 @@ class ReleaseStore:
         return self._ask(Facts(self.state_dir, self.host.site_packages, unit_path))["unit_text"]
 
     # -- checks before anything is written ----------------------------------------------------------
-    def compile(self, files: dict[str, str]) -> list[str]:
-        """Compile errors of new modules (path → base64 source) under the host's own Python."""
-        reply: CompileReply = CompileReply.from_wire(self._ask(Compile(files)))
-        return reply.errors
+    def compile(self, request: Compile) -> CompileReply:
+        """Compile errors of new modules under the venv's Python, run as the unit's user (or why
+        the compile could not run: `failed`)."""
+        return self._reply(request, CompileReply)
 
     def verify_unit(self, unit_name: str, text: str, argv: list[str]) -> VerifyUnitReply:
-        return VerifyUnitReply.from_wire(self._ask(VerifyUnit(unit_name, text, argv)))
+        return self._reply(VerifyUnit(unit_name, text, argv), VerifyUnitReply)
 
     def launch_check(self, request: LaunchCheck) -> dict[str, Any]:
         """The server parser's verdict on a launch line and who holds its ports (the document
@@ -113,7 +118,7 @@ class ReleaseStore:
 
     # -- lock ------------------------------------------------------------------------------------
     def _lock(self, request: Lock) -> LockReply:
-        return LockReply.from_wire(self._ask(request))
+        return self._reply(request, LockReply)
 
     def acquire_lock(self, command: str, *, break_tokens: tuple[str, ...] = ()) -> LockHolder:
         """Take the host's deploy lock for this operation (it lives as long as the agent process).
@@ -137,17 +142,27 @@ class ReleaseStore:
         LockHeldError when somebody else took it while the connection was down."""
         if self.held is None:
             return
-        res = self._lock(Lock(self.state_dir, dict(self.held.holder, token=self.held.token, reacquired_at=time.time()),
-                              wait_s=self.lock_grace_s, resume_generation=self.held.holder.get("generation")))
+        res = self._relock(self.held.holder.get("generation"))
+        seen = res.holder or {}
+        if not res.acquired and _ours_later(seen, self.held):
+            # An earlier try of this very reconnect took the lock (a new agent, the next
+            # generation) and its answer was lost with the connection: that agent is ours too.
+            res = self._relock(seen.get("generation"))
         if not res.acquired:
             self.held = None
             lost = lease_lost_by(self.agent, self.host, res.holder or {})
             if lost is not None:
                 raise lost
             raise LockHeldError(f"{self.host.name}: the deploy lock was taken by another run while the connection "
-                                f"was down ({describe_holder(res.holder or {})}); this run no longer knows the "
-                                f"host's state and stops without touching it")
+                                f"was down ({describe_holder(res.holder or {})}); that run owns the host now (it "
+                                f"repairs what this run left, or has already), so this run stops without touching "
+                                f"it")
         self.held = LockHolder(self.held.token, res.holder)
+
+    def _relock(self, generation: Any) -> LockReply:
+        assert self.held is not None
+        return self._lock(Lock(self.state_dir, dict(self.held.holder, token=self.held.token, reacquired_at=time.time()),
+                               wait_s=self.lock_grace_s, resume_generation=generation))
 
     def release_lock(self, lock: LockHolder) -> None:
         self.held = None
@@ -161,9 +176,10 @@ class ReleaseStore:
         self._ask(Journal(self.state_dir, clear=True))
 
     # -- files -----------------------------------------------------------------------------------
-    def backup(self, rid: str, paths: list[BackupPath]) -> None:
-        """Every path release `rid` will touch, copied into its backup and read back."""
-        self._ask(Backup(self.state_dir, rid, list(paths)))
+    def backup(self, rid: str, paths: list[BackupPath]) -> BackupReply:
+        """Every path release `rid` will touch, copied into its backup and read back; `changed`
+        non-empty: a path differs from what the request expects, nothing was written."""
+        return self._reply(Backup(self.state_dir, rid, list(paths)), BackupReply)
 
     def install(self, files: list[InstallFile], test_pause: dict[str, Any] | None = None) -> None:
         """Each file written atomically; `test_pause` is a test hook's (the agent pauses between files)."""
@@ -171,18 +187,16 @@ class ReleaseStore:
 
     def remove_partial(self, rid: str) -> bool:
         """Drop what an interrupted backup of `rid` left; whether `rid` has a complete backup."""
-        reply: RemovePartialReply = RemovePartialReply.from_wire(self._ask(RemovePartial(self.state_dir, rid)))
+        reply = self._reply(RemovePartial(self.state_dir, rid), RemovePartialReply)
         return reply.backup_complete
 
     def verify_backup(self, rid: str) -> list[str]:
         """What is wrong with the backup of `rid` ('original': the pristine one); [] when sound."""
-        reply: VerifyBackupReply = VerifyBackupReply.from_wire(self._ask(VerifyBackup(self.state_dir,
-                                                                                      self.backup_dir(rid))))
-        return reply.problems
+        return self._reply(VerifyBackup(self.state_dir, self.backup_dir(rid)), VerifyBackupReply).problems
 
     def restore(self, rid: str) -> RestoreReply:
         """The files as release `rid` found them, byte for byte; `refused` when the backup is corrupted."""
-        return RestoreReply.from_wire(self._ask(Restore(self.state_dir, self.backup_dir(rid))))
+        return self._reply(Restore(self.state_dir, self.backup_dir(rid)), RestoreReply)
 
     # -- releases --------------------------------------------------------------------------------
     def release_dir(self, rid: str) -> str:
@@ -202,6 +216,15 @@ class ReleaseStore:
 
     def prune(self, keep: int) -> list[str]:
         return self._ask(Prune(self.state_dir, keep))["removed"]
+
+
+def _ours_later(seen: dict[str, Any], held: LockHolder) -> bool:
+    """The lock file names this operation (its token, known only to this controller) at a later
+    generation than the one it last heard of, with the lease still running: every generation in
+    between was this operation's own (a resumed take-over demands the generation before it)."""
+    gen, mine = seen.get("generation"), held.holder.get("generation")
+    return (seen.get("token") == held.token and not seen.get("lease_expired") and isinstance(gen, int)
+            and isinstance(mine, int) and gen > mine)
 
 
 def lease_lost_by(agent: AgentTransport, host: Host, holder: dict[str, Any]) -> LeaseLost | None:

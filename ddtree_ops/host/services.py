@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from ..config.redaction import SECRET_NAME_WORDS
 from ..errors import RemoteCommandError
 from .agent.protocol import Run, RunReply, RunResult
-from .channel import ask
+from .channel import ask_reply
 from .gpus import QUERY, GpuApp, parse_gpu_apps
 
 if TYPE_CHECKING:
@@ -137,7 +137,7 @@ class Services:
         self.scrub_files = scrub_files
 
     def _run(self, argv: list[str], timeout: float = 120) -> RunResult:
-        return RunResult.from_wire(ask(self.agent, Run(argv=argv, timeout=timeout), timeout + 30))
+        return ask_reply(self.agent, Run(argv=argv, timeout=timeout), RunResult, timeout + 30, self.host_name)
 
     def states(self, units: tuple[str, ...] | list[str]) -> dict[str, UnitState]:
         units = tuple(units)
@@ -152,7 +152,7 @@ class Services:
     def probe(self, unit: str, lines: int = 30) -> UnitProbe:
         request = Run(argvs=probe_argvs(unit, lines), timeout=30, scrub_files=list(self.scrub_files),
                       secret_words=list(SECRET_NAME_WORDS))
-        show, journal = RunReply.from_wire(ask(self.agent, request, 60)).results
+        show, journal = ask_reply(self.agent, request, RunReply, 60, self.host_name).results
         return parse_probe(show.stdout, journal.stdout, lines)
 
     def gpu_apps(self) -> list[GpuApp] | None:

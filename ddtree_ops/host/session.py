@@ -19,13 +19,13 @@ from typing import Any, Iterator, Protocol
 import httpx
 
 from ..config.inventory import Host
-from ..errors import LeaseLost
+from ..errors import HostKeyError, LeaseLost, LockHeldError, RemoteCommandError, UnreachableError, reason
 from .channel import AgentChannel
 from .hooks import NO_HOOKS, Hooks
 from .http import http_client
 from .release_store import ReleaseStore
 from .services import Services
-from .transport import HostConnection
+from .transport import HostConnection, is_connection_trouble
 
 
 class HostLink(Protocol):
@@ -105,9 +105,23 @@ class HostSession:
 
     def reconnect(self) -> None:
         """A fresh connection and agent, and the operation's lock taken again (LockHeldError if
-        another run took it meanwhile, LeaseLost if the lease ran out)."""
-        self.link.reconnect()
-        self.store.relock()
+        another run took it meanwhile, LeaseLost if the lease ran out, HostKeyError for a changed
+        key: all final). Whatever else breaks the handshake while the host's sshd comes and goes
+        (a bare EOFError or SSHException from Paramiko, a socket error, an agent that did not
+        answer its `hello` or its lock request) is UnreachableError naming the cause: worth another
+        try."""
+        try:
+            self.link.reconnect()
+            self.store.relock()
+        except RemoteCommandError as e:
+            raise UnreachableError(f"{self.host.name}: reconnected, but the new agent did not answer cleanly: "
+                                   f"{reason(e)}") from None
+        except (LeaseLost, LockHeldError, HostKeyError, UnreachableError):
+            raise
+        except Exception as e:
+            if not is_connection_trouble(e):
+                raise
+            raise UnreachableError(f"{self.host.name}: reconnecting failed: {reason(e)}") from None
 
     def check_lease(self) -> None:
         """LeaseLost when the lease on the host's lock is lost: the host goes its own way, and

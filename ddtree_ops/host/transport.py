@@ -13,6 +13,7 @@ path that a privileged step then moves into place.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import select
 import shlex
@@ -25,7 +26,7 @@ from typing import Iterator, Sequence
 import paramiko
 
 from ..config.inventory import Host
-from ..errors import HostKeyError, RemoteCommandError, UnreachableError
+from ..errors import HostKeyError, RemoteCommandError, UnreachableError, reason
 
 
 def shell_join(argv: Sequence[str | int | os.PathLike]) -> str:
@@ -132,13 +133,18 @@ class HostConnection:
                 raise UnreachableError(f"{self.host.name}: SSH authentication failed for {self.host.ssh_user}@"
                                        f"{self.host.address}: {e}") from None
             raise UnreachableError(f"{self.host.name}: SSH to {self.host.address}:{self.host.ssh_port} "
-                                   f"failed: {e} (connect_timeout {self.host.connect_timeout_s:g} s)") from None
+                                   f"failed: {reason(e)} (connect_timeout {self.host.connect_timeout_s:g} s)") from None
         except (socket.timeout, TimeoutError):
             raise UnreachableError(f"{self.host.name}: connection to {self.host.address}:{self.host.ssh_port} "
                                    f"timed out after {self.host.connect_timeout_s:g} s") from None
         except (OSError, paramiko.ssh_exception.NoValidConnectionsError) as e:
             raise UnreachableError(f"{self.host.name}: cannot reach {self.host.address}:{self.host.ssh_port}: "
-                                   f"{getattr(e, 'strerror', None) or e}") from None
+                                   f"{getattr(e, 'strerror', None) or reason(e)}") from None
+        except EOFError:
+            # Paramiko's transport thread saves a bare EOFError (no text) when the server side of
+            # the handshake goes away, and `connect` raises it as it is.
+            raise UnreachableError(f"{self.host.name}: SSH to {self.host.address}:{self.host.ssh_port} closed "
+                                   f"during the handshake (EOF from the server)") from None
         return self
 
     def close(self) -> None:
@@ -177,7 +183,7 @@ class HostConnection:
             chan = self._conn.client.get_transport().open_session(timeout=self.host.connect_timeout_s)
             chan.exec_command(cmd)
         except (paramiko.SSHException, OSError, EOFError, AttributeError) as e:
-            raise UnreachableError(f"{self.host.name}: connection lost: {e}") from None
+            raise UnreachableError(f"{self.host.name}: connection lost: {reason(e)}") from None
         return chan
 
     def run_shell(self, command: str, *, check: bool = True, timeout: float | None = 120,
@@ -190,7 +196,7 @@ class HostConnection:
         try:
             chan = self._conn.client.get_transport().open_session(timeout=self.host.connect_timeout_s)
         except (paramiko.SSHException, OSError, EOFError, AttributeError) as e:
-            raise UnreachableError(f"{self.host.name}: connection lost: {e}") from None
+            raise UnreachableError(f"{self.host.name}: connection lost: {reason(e)}") from None
         out, err = bytearray(), bytearray()
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
@@ -215,7 +221,7 @@ class HostConnection:
                         break
             code = chan.recv_exit_status()
         except (paramiko.SSHException, OSError, EOFError) as e:
-            raise UnreachableError(f"{self.host.name}: connection lost while running a command: {e}") from None
+            raise UnreachableError(f"{self.host.name}: connection lost while running a command: {reason(e)}") from None
         finally:
             chan.close()
         if code == -1:
@@ -227,6 +233,24 @@ class HostConnection:
                 f"{(res.stderr or res.stdout).strip()[-800:]}"
             )
         return res
+
+
+def is_connection_trouble(exc: BaseException) -> bool:
+    """Whether `exc` says the SSH connection was lost or is struggling (worth a reconnect), as
+    opposed to a final answer: a changed or unknown host key, a lost lease, a lock another run
+    holds, a step the host refused. Paramiko and the socket layer raise their own types (some with
+    no text) from deep inside a handshake; ours is UnreachableError."""
+    if isinstance(exc, UnreachableError):
+        return True
+    if isinstance(exc, paramiko.BadHostKeyException):
+        return False
+    return isinstance(exc, (EOFError, paramiko.SSHException, socket.timeout, TimeoutError, ConnectionError,
+                            BrokenPipeError)) or (isinstance(exc, OSError) and exc.errno in _NETWORK_ERRNOS)
+
+
+_NETWORK_ERRNOS = frozenset({errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno.EHOSTUNREACH,
+                             errno.ENETUNREACH, errno.ENETDOWN, errno.ETIMEDOUT, errno.EPIPE, errno.ENOTCONN,
+                             errno.EBADF, None})
 
 
 @contextlib.contextmanager

@@ -12,7 +12,17 @@ import time
 from contextlib import ExitStack
 
 from ..artifacts.patchset import PatchSet
-from ..errors import DdtreeOpsError, DeployFailed, Interrupted, LeaseLost, PreflightError, RollbackFailed
+from ..errors import (
+    ChangedSincePreflight,
+    DdtreeOpsError,
+    DeployFailed,
+    Interrupted,
+    LeaseLost,
+    LockHeldError,
+    PreflightError,
+    RollbackFailed,
+    reason,
+)
 from ..gates.router import SmgRouter
 from ..host.session import HostSession
 from .describe import describe_failure
@@ -57,6 +67,8 @@ def host_error(run: DeployRun, end: DeployEnd, t0: float) -> DdtreeOpsError:
     h, step, message = rb.host.name, end.failed_step, end.message
     if isinstance(end.exc, LeaseLost):  # the host went its own way: no rollback was tried
         return end.exc
+    if isinstance(end.exc, ChangedSincePreflight) and not run.started:  # refused at backup, nothing changed
+        return end.exc
     if end.left:
         if end.left_error is not None:
             message += f" (recording the failure failed too: {end.left_error})"
@@ -66,12 +78,17 @@ def host_error(run: DeployRun, end: DeployEnd, t0: float) -> DdtreeOpsError:
         e = end.rollback_errors[0][1]
         if isinstance(e, LeaseLost):
             return e
-        return RollbackFailed(f"{h}: deploy failed at {step} ({message}) and the rollback failed too: {e}. The "
-                              f"journal on the host records release {release.id}; a person must look, then run "
+        if isinstance(e, LockHeldError):  # another run holds the host now: a rollback would undo its work
+            return RollbackFailed(f"{h}: deploy failed at {step} ({message}); {reason(e)}. Do not run `rollback` "
+                                  f"blindly: see what the host runs now with `ddtree-ops status --limit {h}` and "
+                                  f"`ddtree-ops history --host {h}`.")
+        return RollbackFailed(f"{h}: deploy failed at {step} ({message}) and the rollback failed too: {reason(e)}. "
+                              f"The journal on the host records release {release.id}; a person must look, then run "
                               f"`ddtree-ops rollback --limit {h}`.")
     exc_type = Interrupted if end.interrupted else DeployFailed
+    message += "".join(f"; warning: {w}" for w in rb.warnings)
     err = exc_type(f"{h}: deploy failed at {step}: {message}; rolled back to "
-                   f"{release.previous or 'the previous state'}, healthy")
+                   f"{release.previous or 'the previous state'}, healthy" + "".join(f"; {w}" for w in rb.warnings))
     err.result = HostResult(h, Outcome.INTERRUPTED if end.interrupted else Outcome.ROLLED_BACK, exc_type.exit_code,
                             release=release.id, failed_step=step, message=message, log=end.log, steps=rb.steps,
                             seconds=time.monotonic() - t0, repaired=run.repaired[0], perf_gate=rb.traffic.perf_result)

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..config.redaction import scrub, scrub_lines
 from ..config.secrets import known_secrets
-from ..errors import DdtreeOpsError
+from ..errors import reason
 from .steps import StepFailed
 
 
@@ -52,6 +52,4 @@ def describe_failure(rb: Any, exc: BaseException) -> tuple[str, str, list[str]]:
     secrets = known_secrets(rb.host)
     if isinstance(exc, StepFailed):
         return exc.step, scrub(str(exc), secrets), scrub_lines(exc.log, secrets)
-    if isinstance(exc, DdtreeOpsError):
-        return rb.last_step, scrub(str(exc), secrets), []
-    return rb.last_step, scrub(f"{type(exc).__name__}: {exc}", secrets), []
+    return rb.last_step, scrub(reason(exc), secrets), []

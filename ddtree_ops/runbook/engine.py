@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from ..artifacts.patchset import PatchSet
-from ..errors import DdtreeOpsError, LeaseLost
+from ..errors import ChangedSincePreflight, DdtreeOpsError, LeaseLost
 from .describe import describe_failure, interrupt_label
 from .events import EventSink, Failed
 from .options import DeployOptions
@@ -152,9 +152,11 @@ def prepare(run: DeployRun, locks: list[Any], refusal: Callable[[DeployRun], Ddt
     """Repair, preflight (`refusal` builds the error of a refused run), decide whether anything is
     to do, measure the baseline and open the releases (one id over every node). Changes nothing
     but a repair of an interrupted run."""
-    run.repaired = [n.repair_interrupted() for n in run.nodes]
+    run.repaired = [n.repair_interrupted(run.opts.reconnect_s) for n in run.nodes]
     detail = (lambda n: f"node rank {n.host.node_rank} of {run.server}") if run.server else (lambda n: "")
-    run.plans = [n.preflight(run.ps, run.opts, detail(n)) for n in run.nodes]
+    # Preflight changes nothing: a connection lost during it is reconnected and it starts again.
+    run.plans = [n.reconnecting(run.opts.reconnect_s, lambda n=n: n.preflight(run.ps, run.opts, detail(n)),
+                                "preflight") for n in run.nodes]
     if any(p.refusals for p in run.plans):
         raise refusal(run)
     run.before = [n.services_before() for n in run.nodes]
@@ -205,6 +207,10 @@ def fail(run: DeployRun, exc: BaseException, report: EventSink) -> DeployEnd:
     busy = max(run.nodes, key=lambda n: n.log.last_t)  # the node that was at work when it failed
     failed_step, message, log = describe_failure(busy, exc)
     end = DeployEnd(exc, failed_step, message, log)
+    if isinstance(exc, ChangedSincePreflight):  # that node refused before its first change: nothing to undo
+        run.started = [i for i in run.started if run.nodes[i].host.name != exc.host]
+        if not run.started:
+            return end
     if run.server and end.interrupted:
         end.failed_step = f"interrupted ({interrupt_label(end.exc)})"
     if run.opts.no_rollback and not end.interrupted and not run.server:

@@ -2,7 +2,9 @@
 or has something to say. The phase engine emits them; the live view, the plain log lines, the
 JSON output (`HostResult.steps`) and the HTML report read them by type, never by parsing text.
 
-Every event also has `text`: the line a plain log prints for it.
+Every event also has `text`: the line a plain log prints for it. Events carry what hosts and
+servers said as they said it (the JSON output and the report keep it whole); whatever writes an
+event to a terminal passes it through `config.terminal.terminal_safe` first (cli/liveview.py).
 """
 
 from __future__ import annotations

@@ -11,6 +11,12 @@ itself) is stopped, the host's agent checks two things:
 * the server's port (and, on rank 0 of a multi-node server, the dist-init port) is free, or held
   by a process of a unit this deploy replaces.
 
+The parse runs the venv's code, so it runs as the unit's own process would: its User=, Group=,
+supplementary groups, Environment=/EnvironmentFile= and WorkingDirectory= (read from the unit
+being installed, `launch_request`), isolated (`python -I -S`, the venv's site-packages put on
+sys.path without running any .pth file). Only a root unit's parse runs as root. A User= or Group=
+the host does not have is refused by name (`identity_problems`).
+
 A refusal is a failed step before "stop conflicts": the rollback restores the files and leaves
 the old server running, untouched (exit 3). The functions here are pure: the request, and the
 problems found in the agent's answer.
@@ -21,8 +27,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..artifacts.unit_service import service_exec
 from ..artifacts.units import exec_start_words
 from ..config.inventory import Host
+from ..config.redaction import SECRET_NAME_WORDS
+from ..host.agent.protocol import LaunchCheck
 from ..host.gpus import of_our_units
 
 # Launcher modules whose arguments SGLang's own ServerArgs parser decides.
@@ -57,6 +66,33 @@ def ports_to_check(host: Host) -> list[int]:
         if tail.isdigit() and int(tail) not in ports:
             ports.append(int(tail))
     return ports
+
+
+def launch_request(line: LaunchLine, host: Host, unit_text: str) -> LaunchCheck:
+    """The agent's request: the launch line, the ports, and the identity and environment the
+    unit's [Service] section gives its process, which the parse takes on the host."""
+    svc = service_exec(unit_text)
+    return LaunchCheck(
+        line.python, line.module, list(line.args), ports_to_check(host), line.sglang,
+        scrub_files=list(host.secret_files), secret_words=list(SECRET_NAME_WORDS),
+        site_packages=host.site_packages, user=svc.user, group=svc.group,
+        supplementary_groups=list(svc.supplementary_groups), environment=list(svc.environment),
+        environment_files=list(svc.environment_files), working_directory=svc.working_directory)
+
+
+def identity_problems(answer: dict[str, Any]) -> list[str]:
+    """The unit's identity or environment could not be taken on the host (a User= it does not
+    have, an unreadable EnvironmentFile=): the server could not start either."""
+    refused = answer.get("refused")
+    return [f"the launch check cannot run as the unit's process would: {refused}"] if refused else []
+
+
+def ran_as(answer: dict[str, Any]) -> str:
+    """How the parse ran, for the step's line: `as User=sglang (uid 999), isolated`."""
+    who = answer.get("ran_as") or {}
+    if "uid" not in who:
+        return "isolated"
+    return f"as User={who.get('user')} (uid {who['uid']}), isolated"
 
 
 def parse_problems(line: LaunchLine, answer: dict[str, Any]) -> list[str]:

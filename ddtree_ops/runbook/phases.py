@@ -16,30 +16,39 @@ from typing import Any, Callable
 
 from ..artifacts.patchset import PatchSet
 from ..artifacts.units import render_unit
-from ..config.redaction import SECRET_NAME_WORDS
 from ..config.schema import is_valid_unit_name
-from ..errors import CorruptJournal, LeaseLost, RemoteCommandError, RollbackFailed, UnreachableError
+from ..errors import CorruptJournal, LeaseLost, RemoteCommandError, RollbackFailed, UnreachableError, reason
 from ..gates.health import HealthFailure, drain, health_gate, soak, wait_until_serving
 from ..gates.router import SmgRouter
 from ..gates.startup import PhaseTracker, Transition
-from ..host.agent.protocol import BackupPath, InstallFile, LaunchCheck
+from ..host.agent.protocol import InstallFile
 from ..host.gpus import GpuApp
 from ..host.heal_note import HEAL_STEP, heal_note, unreported_heal
 from ..host.journal import journal_problem
 from ..host.release_store import LockHolder, b64, new_release_id
 from ..host.services import UnitState
 from ..host.session import HostSession
+from ..host.transport import is_connection_trouble
+from .drift import backup_paths, changed_error, stand_down
 from .events import EventSink, quiet
-from .launch_check import launch_line, parse_problems, port_problems, ports_to_check
+from .launch_check import identity_problems, launch_line, launch_request, parse_problems, port_problems, ran_as
 from .options import DeployOptions
 from .plan import HostPlan, compute_plan, read_host
 from .preflight import compile_problems, gpu_problems, unit_problems
+from .serving import JOURNAL_KEY, UNIT_DIR, ServingAt, before_deploy, from_record, server_at
 from .steps import StepFailed, StepLog
 from .traffic import Traffic
 
 __all__ = ["RUNNING", "DeployOptions", "Release", "Runbook", "StepFailed", "quiet"]
 
 RUNNING = ("active", "activating")
+# Journal steps before "stop conflicts": files and the unit may have changed (install, daemon-reload,
+# launch check) but no unit was stopped, started, enabled or disabled, and the router was not
+# touched. None: the journal was written before any step was (nothing changed at all).
+UNTOUCHED_STEPS = (None, "backup", "install")
+# The pauses between two reconnects: short at first (a blip), growing (an sshd that keeps failing).
+RECONNECT_FIRST_PAUSE_S = 0.5
+RECONNECT_MAX_PAUSE_S = 4.0
 
 
 @dataclass
@@ -135,9 +144,10 @@ class Runbook:
         except (RemoteCommandError, UnreachableError) as e:
             self.warnings.append(f"the host's heal could not be marked as reported: {e}")
 
-    def repair_interrupted(self) -> str | None:
+    def repair_interrupted(self, window_s: float = 0.0) -> str | None:
         """A journal means a deploy or a rollback was interrupted: roll that deploy back, or finish
-        that rollback, before anything else. Returns the release it was about."""
+        that rollback, before anything else (reconnecting for up to `window_s` seconds when the
+        connection is lost: both can be done again). Returns the release it was about."""
         journal = self.read_journal()
         if not journal:
             return None
@@ -146,14 +156,15 @@ class Runbook:
             if journal.get("kind") == "rollback":
                 self.step("repair", f"found an interrupted rollback of {', '.join(journal['undo'])} (step "
                                     f"{journal.get('step')!r}); finishing it")
-                self.finish_rollback(journal)
+                self.reconnecting(window_s, lambda: self.finish_rollback(journal), "finish the repair")
             else:
                 self.step("repair", f"found an interrupted deploy of {rid} (step {journal.get('step')!r}); "
                                     f"rolling it back")
-                self.roll_back(rid, journal, outcome=f"interrupted at {journal.get('step')}, rolled back")
+                outcome = f"interrupted at {journal.get('step')}, rolled back"
+                self.reconnecting(window_s, lambda: self.roll_back(rid, journal, outcome=outcome), "finish the repair")
         except Exception as e:
             raise RollbackFailed(f"{self.host.name}: repairing the interrupted {journal.get('kind', 'deploy')} of "
-                                 f"{rid} failed: {e}; a person must look") from None
+                                 f"{rid} failed: {reason(e)}; a person must look") from None
         return rid
 
     # -- preflight -------------------------------------------------------------------------------
@@ -166,7 +177,7 @@ class Runbook:
         plan = compute_plan(self.host, ps, facts, render_unit(self.host, opts.templates_dir), force=opts.force)
         gpu = gpu_problems(self.services, self.store, self.host, self._our_main_pids())
         self._gpu_strangers = set(gpu.strangers)
-        refusals = [*plan.refusals, *compile_problems(self.store, self.host, ps),
+        refusals = [*plan.refusals, *compile_problems(self.store, self.host, ps, plan.unit_new),
                     *unit_problems(self.store, self.host, plan.unit_new), *([] if opts.force else gpu.refusals),
                     *self.traffic.router_problems()]
         return dataclasses.replace(plan, refusals=tuple(refusals))
@@ -220,11 +231,28 @@ class Runbook:
         return Release(rid, {"release": rid, "previous": plan.current_release,
                              "active_before": {u: s.active for u, s in before.items()},
                              "enabled_before": {u: s.enabled for u, s in before.items()},
-                             "holder": lock.holder, "patchset": ps.label, **journal})
+                             "holder": lock.holder, "patchset": ps.label,
+                             JOURNAL_KEY: before_deploy(self.host, self._serving_unit_text(plan, before)).record(),
+                             **journal})
+
+    def _serving_unit_text(self, plan: HostPlan, before: dict[str, UnitState]) -> str | None:
+        """The unit file of the unit serving now (ours, else a conflicting one it replaces), to
+        read its port; None when none serves or its file cannot be read (then the inventory's)."""
+        serving = next((u for u in (self.host.unit, *self.host.conflicts)
+                        if u in before and before[u].active in RUNNING), None)
+        if serving is None or serving == self.host.unit:
+            return plan.unit_old if serving else None
+        try:
+            return self.store.unit_text(f"{UNIT_DIR}/{serving}")
+        except (RemoteCommandError, UnreachableError):
+            return None
 
     def _journal(self, release: Release, step: str) -> None:
+        # The step becomes the release's only once the host has it: a write that failed (a full
+        # state dir, a lost connection) was followed by nothing, so the rollback must not think
+        # the next step had begun (from "stop conflicts" on, it restarts the old server).
+        self.store.journal(**{**release.journal, "step": step})
         release.journal["step"] = step
-        self.store.journal(**release.journal)
         self.step(step)
 
     def _guarded(self, step: str, fn: Callable[[], Any]) -> Any:
@@ -242,11 +270,13 @@ class Runbook:
                                  patchset_digest=ps.digest(), bundle=opts.bundle_id, budget=h.budget,
                                  topk_cap=h.topk_cap, previous=plan.current_release, outcome="in progress",
                                  active_before=j["active_before"], enabled_before=j["enabled_before"],
-                                 by=j["holder"]["user"], command=opts.command)
+                                 by=j["holder"]["user"], command=opts.command, **{JOURNAL_KEY: j.get(JOURNAL_KEY)})
         self._journal(release, "backup")
         self.session.hooks.pause("before-backup")
-        paths = [BackupPath(f.path, "file") for f in plan.files] + [BackupPath(h.unit_path, "unit")]
-        self._guarded("backup", lambda: self.store.backup(rid, paths))
+        paths = backup_paths(plan, h.unit_path, check=not opts.force)
+        backed_up = self._guarded("backup", lambda: self.store.backup(rid, paths))
+        if backed_up.changed:  # nothing was written: stop with the host as preflight saw it
+            raise stand_down(self.store, rid, changed_error(h.name, paths, backed_up.changed))
         self.session.hooks.pause("after-backup")
 
         self._journal(release, "install")
@@ -266,7 +296,7 @@ class Runbook:
         self._journal(release, "stop conflicts")
         for u in h.conflicts:
             if j["active_before"].get(u) in RUNNING:
-                self.drain(u)
+                self.drain(u, from_record(h, j.get(JOURNAL_KEY)))
                 self.phase("stop")
                 self._guarded(f"stop {u}", lambda u=u: self.services.stop(u))
             if j["enabled_before"].get(u) == "enabled":
@@ -284,27 +314,31 @@ class Runbook:
         if line is None:
             self.step("launch check", "skipped: ExecStart is not `PYTHON -m MODULE ARGS`")
             return
-        ports = ports_to_check(h)
-        res = self.store.launch_check(LaunchCheck(line.python, line.module, list(line.args), ports, line.sglang,
-                                                  list(h.secret_files), list(SECRET_NAME_WORDS)))
-        problems = parse_problems(line, res) + port_problems(res["holders"], self._our_main_pids())
+        request = launch_request(line, h, plan.unit_new)
+        ports = request.ports
+        res = self.store.launch_check(request)
+        problems = (identity_problems(res) or parse_problems(line, res)) + port_problems(res["holders"],
+                                                                                          self._our_main_pids())
         if problems:
             raise StepFailed("launch check", "; ".join(problems))
-        self.step("launch check", f"{line.module} accepts the launch line; port{'s' if len(ports) > 1 else ''} "
-                                  f"{', '.join(map(str, ports))} free or held by a unit being replaced")
+        self.step("launch check", f"{line.module} accepts the launch line ({ran_as(res)}); "
+                                  f"port{'s' if len(ports) > 1 else ''} {', '.join(map(str, ports))} free or held "
+                                  f"by a unit being replaced")
 
-    def drain(self, unit: str) -> None:
+    def drain(self, unit: str, at: ServingAt | None = None, *, must_leave: bool = True) -> None:
         """Let the requests in flight on `unit`'s server finish (at most `health.drain_timeout_s`)
         before it stops; how many were cut is said. A server that does not report its load (not
         listening, or no /v1/loads) is not waited for. Only node 0 of a multi-node server serves
         requests (and is drained, before any node stops); once drained, a unit is not drained again
-        in the same operation."""
+        in the same operation. `at`: where the server serves when that is not where the inventory
+        says (the old server of a deploy that changes the port). `must_leave=False`: a rollback
+        stops the unit even when the router cannot be told first."""
         if not self.health_checked or unit in self._drained:
             return
         self._drained.add(unit)
-        self.traffic.leave_router()
+        self.traffic.leave_router(at.worker if at else None, required=must_leave)
         self.phase("drain")
-        res = drain(self.session, self.host.health.drain_timeout_s)
+        res = drain(server_at(self.session, at), self.host.health.drain_timeout_s)
         if res.at_start is None:
             return
         cut = f"; {res.remaining} still in flight, cut by the stop" if res.remaining else ""
@@ -314,7 +348,7 @@ class Runbook:
     def restart(self, release: Release) -> None:
         self._journal(release, "restart")
         if self.services_before()[self.host.unit].active in RUNNING:  # a redeploy: it serves now
-            self.drain(self.host.unit)
+            self.drain(self.host.unit, from_record(self.host, release.journal.get(JOURNAL_KEY)))
             self.phase("stop")
             self._guarded("restart", lambda: self.services.stop(self.host.unit))
             self._guarded("gpus free", self.wait_gpus_free)
@@ -427,18 +461,39 @@ class Runbook:
         # Failed or interrupted before "stop conflicts": no unit was stopped, restarted, enabled
         # or disabled, so a server that is still running is left alone (no needless reload of
         # the weights); it only has to pass the health gate.
-        untouched = journal.get("step") in ("backup", "install")
+        untouched = journal.get("step") in UNTOUCHED_STEPS
         self.restore_services(journal.get("active_before") or {}, journal.get("enabled_before") or {},
-                              untouched=untouched)
+                              untouched=untouched, at=from_record(self.host, journal.get(JOURNAL_KEY)))
         fields: dict[str, Any] = {"outcome": outcome, "rolled_back_at": time.time()}
         if self.traffic.perf_result:
             fields["perf_gate"] = self.traffic.perf_result
         if failed_step:
             fields.update(failed_step=failed_step, error=error)
-        self.store.write_release(rid, **fields)
-        self.store.set_current(journal.get("previous"))
+        self._record_outcome(rid, fields)
+        self._point_current_at(journal.get("previous"))
         self.store.clear_journal()
         self.step("rolled back", f"host back on {journal.get('previous') or 'its pre-ddtree-ops state'}")
+
+    def _record_outcome(self, rid: str, fields: dict[str, Any]) -> None:
+        """The release's record says how it ended, if the host can write it: the host is right
+        without it (the journal and `current` decide what the next run does), so a state dir that
+        is full or read-only costs a warning, not the rollback. A lost connection is retried."""
+        try:
+            self.store.write_release(rid, **fields)
+        except RemoteCommandError as e:
+            note = (f"the outcome of release {rid} could not be recorded ({reason(e)}); `history` shows it "
+                    f"'in progress'; free space in {self.host.state_dir}")
+            self.warnings.append(note)
+            self.step("rollback: outcome not recorded", note)
+
+    def _point_current_at(self, rid: str | None) -> None:
+        """`current` names `rid`. A write refused by the host (a full disk) is no failure when it
+        already does: a deploy that never committed never moved it."""
+        try:
+            self.store.set_current(rid)
+        except RemoteCommandError:
+            if self.store.facts([]).get("current") != rid:
+                raise
 
     def roll_back_reconnecting(self, window_s: float, rid: str, journal: dict[str, Any], **kw: Any) -> None:
         """`roll_back`, reconnecting for up to `window_s` seconds when the SSH connection is lost
@@ -456,18 +511,32 @@ class Runbook:
         while True:
             try:
                 return fn()
+            except Exception as e:
+                if not is_connection_trouble(e):
+                    raise  # final: a step the host refused, a lock another run took, a lost lease
+                lost = e if isinstance(e, UnreachableError) else UnreachableError(
+                    f"{self.host.name}: connection lost: {reason(e)}")
+                if self.session.monotonic() >= deadline:
+                    raise lost from None
+                self.log.note(f"connection lost ({reason(lost)}); reconnecting to {what}")
+            self._reconnect_until(deadline, window_s)
+
+    def _reconnect_until(self, deadline: float, window_s: float) -> None:
+        """A fresh connection and the lock taken again, retried with a growing pause (sshd may be
+        killing every new session for a while) until `deadline`; UnreachableError naming the last
+        cause after that. LeaseLost, LockHeldError and HostKeyError end it at once."""
+        pause, tries = RECONNECT_FIRST_PAUSE_S, 0
+        while True:
+            self.session.sleep(max(min(pause, deadline - self.session.monotonic()), 0.05))
+            tries += 1
+            try:
+                self.session.reconnect()
+                return
             except UnreachableError as e:
                 if self.session.monotonic() >= deadline:
-                    raise
-                self.log.note(f"connection lost ({e}); reconnecting to {what}")
-            while True:
-                self.session.sleep(1.0)
-                try:
-                    self.session.reconnect()
-                    break
-                except UnreachableError as e:
-                    if self.session.monotonic() >= deadline:
-                        raise UnreachableError(f"{e} (kept retrying for {window_s:g} s)") from None
+                    raise UnreachableError(f"{reason(e)} (kept retrying for {window_s:g} s, {tries} tries)") from None
+                pause = min(pause * 2, RECONNECT_MAX_PAUSE_S)
+                self.log.note(f"reconnect failed ({reason(e)}); trying again in {pause:g} s")
 
     def begin_rollback(self, undo: list[str], to: str | None, to_original: bool, oldest: dict[str, Any],
                        lock: LockHolder) -> dict[str, Any]:
@@ -475,7 +544,8 @@ class Runbook:
         finished by the next run (every step of it can be done again)."""
         journal = {"kind": "rollback", "release": undo[0], "undo": list(undo), "to": to, "to_original": to_original,
                    "active_before": oldest.get("active_before") or {},
-                   "enabled_before": oldest.get("enabled_before") or {}, "holder": lock.holder, "step": "restore"}
+                   "enabled_before": oldest.get("enabled_before") or {}, "holder": lock.holder, "step": "restore",
+                   JOURNAL_KEY: oldest.get(JOURNAL_KEY)}
         self.store.journal(**journal)
         return journal
 
@@ -491,7 +561,8 @@ class Runbook:
         self.store.journal(**journal)
         self.session.hooks.pause("rollback-services")
         self.services.daemon_reload()
-        self.restore_services(journal["active_before"], journal["enabled_before"])
+        self.restore_services(journal["active_before"], journal["enabled_before"],
+                              at=from_record(self.host, journal.get(JOURNAL_KEY)))
         self.store.set_current(journal.get("to"))
         self.store.clear_journal()
 
@@ -504,13 +575,16 @@ class Runbook:
             raise StepFailed("restore", f"{what} is corrupted, refusing to restore it: " + "; ".join(res.problems))
 
     def restore_services(self, active_before: dict[str, str], enabled_before: dict[str, str], *,
-                         untouched: bool = False) -> None:
+                         untouched: bool = False, at: ServingAt | None = None) -> None:
         """Units enabled and running as they were before the release; `untouched`: the deploy
         stopped before it stopped anything, so what still runs is not restarted, only gated.
 
         The record (journal or release) decides, not today's inventory: a unit recorded but since
         dropped from `unit`/`conflicts` is restored as recorded all the same; a unit the inventory
-        names but the record does not (added since) is left as it is, and a warning says so."""
+        names but the record does not (added since) is left as it is, and a warning says so.
+
+        `at`: where the restored server serves (the record's, not today's inventory: a deploy that
+        changed the port leaves the old server on the old one); it is checked and routed there."""
         h = self.host
         recorded = list(dict.fromkeys([*active_before, *enabled_before]))
         bad = [u for u in recorded if not is_valid_unit_name(u)]
@@ -538,20 +612,33 @@ class Runbook:
         for u in recorded:
             if u not in was_active and now[u].active in (*RUNNING, "failed"):
                 if now[u].active == "active":
-                    self.drain(u)
+                    self.drain(u, must_leave=False)
                 self.services.stop(u)
                 stopped = True
-        if stopped and any(not (untouched and now[u].active == "active") for u in was_active):
+        kept = self._kept_pids(now, untouched)
+        if stopped and any(u not in kept for u in was_active):
             self.wait_gpus_free("rollback: gpus free")
         for u in was_active:
-            pid = now[u].main_pid if untouched and now[u].active == "active" else None
+            pid = kept.get(u)
             if not pid and now[u].active == "active":  # it serves, and is about to be restarted
-                self.drain(u)
-            self._bring_back(u, pid)
-        if was_active:
-            self.traffic.join_router()  # back in the router, healthy (or never out of it: a no-op)
+                self.drain(u, must_leave=False)
+            self._bring_back(u, pid, at)
+        if was_active:  # back in the router (or never out of it: a no-op)
+            unrouted = self.traffic.rejoin_router(at.worker if at else None)
+            if unrouted:
+                self.warnings.append(unrouted)
+                self.step("rollback: not routed", unrouted)
 
-    def _bring_back(self, unit: str, running_pid: int | None) -> None:
+    def _kept_pids(self, now: dict[str, UnitState], untouched: bool) -> dict[str, int]:
+        """Units still serving as the process that served before the deploy (untouched, or a deploy
+        that failed before stopping them, e.g. at deregistration): they are not restarted, only
+        gated. This run's own reading before the change tells; a later run knows only `untouched`."""
+        before = self._states_read or {}
+        return {u: s.main_pid for u, s in now.items()
+                if s.active == "active" and s.main_pid
+                and (untouched or (u in before and before[u].main_pid == s.main_pid))}
+
+    def _bring_back(self, unit: str, running_pid: int | None, at: ServingAt | None = None) -> None:
         """Restart `unit` (unless it kept running as `running_pid`) and wait until it is healthy."""
         pid = running_pid
         if not pid:
@@ -567,8 +654,10 @@ class Runbook:
         self.step("rollback: waiting", f"{unit} was never stopped (pid {pid}); not restarted" if running_pid
                   else f"{unit} restarted (pid {pid})")
         try:
-            took = wait_until_serving(self.session, unit, expected_pid=pid)
-            health_gate(self.session, unit, expected_pid=pid)
+            server = server_at(self.session, at)
+            took = wait_until_serving(server, unit, expected_pid=pid)
+            health_gate(server, unit, expected_pid=pid)
         except HealthFailure as e:
             raise StepFailed("rollback health", f"{unit} is not healthy after the rollback: {e}", e.log) from None
-        self.step("rollback: healthy", f"{unit} serving after {took:.1f} s")
+        self.step("rollback: healthy", f"{unit} serving after {took:.1f} s"
+                  + ("" if server is self.session else f" at {server.host.base_url}"))

@@ -114,7 +114,10 @@ def compute_plan(host: Host, ps: PatchSet, facts: dict[str, Any], unit_new: str,
         files.append(FileChange(path, pf.path, pf.action, old, pf.sha256, status, note))
         if status == "drift" and not force:
             refusals.append(f"drift: {path} has sha256 {str(old)[:12]} ({note}); --force overrides")
+    if facts.get("service_user_problem"):  # the server could not start as its User= either
+        refusals.append(str(facts["service_user_problem"]))
     refusals += secrets_config_refusals(host, facts)
+    refusals += unwritable_refusals(host, facts)
     journal_bad = facts.get("journal_error") or journal_problem(facts.get("journal"))
     if journal_bad:
         refusals.append(f"corrupt journal: {journal_bad}; see docs/guarantees.md, 'corrupt journal'")
@@ -132,6 +135,19 @@ def compute_plan(host: Host, ps: PatchSet, facts: dict[str, Any], unit_new: str,
         restart_unit=host.unit, refusals=tuple(refusals), interrupted=facts.get("journal"),
         lock=facts.get("lock"),
     )
+
+
+def unwritable_refusals(host: Host, facts: dict[str, Any]) -> list[str]:
+    """A target directory the install could not write (read-only mount, immutable): refused before
+    anything changes, since the install would fail half-way and its rollback could not write
+    there either."""
+    found = facts.get("unwritable")
+    if not isinstance(found, dict):
+        return []
+    inside = host.site_packages.rstrip("/") + "/"
+    return [f"{'site-packages is read-only' if (str(d) + '/').startswith(inside) else 'read-only target'}: "
+            f"{d} cannot be written on {host.name} ({why}); the install would fail there"
+            for d, why in sorted(found.items())]
 
 
 def secrets_config_refusals(host: Host, facts: dict[str, Any]) -> list[str]:

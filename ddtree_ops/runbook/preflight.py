@@ -7,21 +7,29 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..artifacts.patchset import PatchSet
+from ..artifacts.unit_service import service_exec
 from ..artifacts.units import verify_command, verify_problems, verify_unit
 from ..config.inventory import Host
 from ..errors import InputError
+from ..host.agent.protocol import Compile
 from ..host.gpus import describe, foreign_apps
 from ..host.release_store import ReleaseStore, b64
 from ..host.services import Services
 from .plan import target_path
 
 
-def compile_problems(store: ReleaseStore, host: Host, ps: PatchSet) -> list[str]:
-    """The patch set's Python modules, compiled by the host's own interpreter."""
+def compile_problems(store: ReleaseStore, host: Host, ps: PatchSet, unit_text: str) -> list[str]:
+    """The patch set's Python modules, compiled by the venv's interpreter (its version decides
+    the syntax) as the unit's User=/Group= from `unit_text` (the unit being installed)."""
     pyfiles = {target_path(host, pf.path): b64(pf.source.read_bytes()) for pf in ps.python_files()}
     if not pyfiles:
         return []
-    return [f"does not compile with {host.python}: {e}" for e in store.compile(pyfiles)]
+    svc = service_exec(unit_text)
+    reply = store.compile(Compile(pyfiles, host.python, user=svc.user, group=svc.group,
+                                  supplementary_groups=list(svc.supplementary_groups)))
+    if reply.failed:
+        return [f"cannot compile the patch set's modules with {host.python}: {reply.failed}"]
+    return [f"does not compile with {host.python}: {e}" for e in reply.errors]
 
 
 def unit_problems(store: ReleaseStore, host: Host, text: str) -> list[str]:

@@ -25,6 +25,7 @@ from ..errors import (
     LockHeldError,
     RollbackFailed,
     UnreachableError,
+    reason,
 )
 
 
@@ -103,7 +104,7 @@ def failed_result(host: str, exc: BaseException, seconds: float, **fields: Any) 
     if isinstance(carried, HostResult):
         return carried
     row: dict[str, Any] = {"outcome": outcome_of(exc), "exit_code": getattr(exc, "exit_code", EXIT_ERROR),
-                           "message": str(exc)}
+                           "message": str(exc) if str(exc).strip() else reason(exc)}
     row.update(fields)
     return HostResult(host, seconds=seconds, **row)
 

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import DdtreeOpsError, InputError, LeaseLost, RollbackFailed
+from ..errors import DdtreeOpsError, InputError, LeaseLost, LockHeldError, RollbackFailed, reason
 from ..gates.router import SmgRouter
 from ..host.release_store import LockHolder
 from ..host.session import HostSession
@@ -100,9 +100,12 @@ def _restore(r: RollbackRun, i: int) -> None:
         rb.reconnecting(r.opts.reconnect_s, lambda: rb.finish_rollback(r.journal), "finish the rollback")
     except LeaseLost:
         raise  # the host finishes the rollback itself (or was left as it was): its own message says so
+    except LockHeldError as e:  # another run took the host over: it finishes the rollback, or did
+        raise RollbackFailed(f"{reason(e)}. Do not run `rollback` again blindly: see what the host runs now with "
+                             f"`ddtree-ops status --limit {rb.host.name}`") from None
     except (Exception, KeyboardInterrupt) as e:
         what = (f"interrupted ({interrupt_label(e)})" if isinstance(e, KeyboardInterrupt) else str(e)
-                if isinstance(e, (StepFailed, DdtreeOpsError)) else f"{type(e).__name__}: {e}")
+                if isinstance(e, (StepFailed, DdtreeOpsError)) and str(e).strip() else reason(e))
         raise RollbackFailed(f"{rb.host.name}: rollback failed at {r.journal.get('step')}: {what}; the journal on "
                              f"the host records it: a person must look, then run `ddtree-ops rollback --limit "
                              f"{rb.host.name}` again to finish it") from None
@@ -124,7 +127,7 @@ def rollback_host(session: HostSession, to: str | None, opts: DeployOptions, rep
     h = rb.host
     lock = rb.lock(opts)
     try:
-        repaired = rb.repair_interrupted()
+        repaired = rb.repair_interrupted(opts.reconnect_s)
         if repaired:  # the host is back on what was current before that deploy; stop there
             return HostResult(h.name, Outcome.ROLLED_BACK, 0, release=repaired, steps=rb.steps,
                               seconds=time.monotonic() - t0, repaired=repaired,

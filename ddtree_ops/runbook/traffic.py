@@ -46,42 +46,66 @@ class Traffic:
         if router is None:
             return []
         try:
-            router.workers()
+            router.check()
         except RouterError as e:
             return [f"router {self.host.router.url}: {e}"]
         return []
 
-    def leave_router(self) -> None:
+    def leave_router(self, worker: str | None = None, *, required: bool = True) -> None:
         """Before a serving unit stops: no new request is sent to this host (requests in flight
-        are then drained from the server itself)."""
+        are then drained from the server itself). `worker`: the URL the router knows the serving
+        unit by, when that is not the inventory's (the old port of a deploy that changes it).
+        `required=False` (a rollback stopping the failed release): a router that cannot be reached
+        is said and the stop goes on; the router stops sending to a server whose health fails."""
         router = self._router()
         if router is None or self._left_router:
             return
         self.log.phase("deregister")
-        worker = self.host.router.worker
+        self.session.hooks.pause("before-deregister")
+        worker = worker or self.host.router.worker
         try:
             was = router.deregister(worker)
         except RouterError as e:
-            raise StepFailed("deregister", str(e)) from None
+            if required:
+                raise StepFailed("deregister", str(e)) from None
+            self.log.step("deregister", f"{worker} could not be taken out of the router ({e}); stopping it anyway")
+            return
         self._left_router = True
         self.log.step("deregister",
                       f"{worker} {'taken out of' if was else 'was not in'} the router {self.host.router.url}")
 
-    def join_router(self) -> None:
+    def join_router(self, worker: str | None = None) -> None:
         """The server passed its health gate: the router sends it requests again, and we wait
         until it does. The inventory says this host is behind the router, so it is registered
-        whether or not it was before (a host an earlier failed run left out comes back)."""
+        whether or not it was before (a host an earlier failed run left out comes back).
+        `worker`: where the server serves when that is not the inventory's worker URL (the old
+        server a rollback brought back on its old port)."""
         router = self._router()
         if router is None:
             return
         self.log.phase("register")
-        worker, t0 = self.host.router.worker, time.monotonic()
+        self.session.hooks.pause("before-register")
+        worker, t0 = worker or self.host.router.worker, time.monotonic()
         try:
             router.register(worker)
         except RouterError as e:
             raise StepFailed("register", str(e)) from None
         self._left_router = False
         self.log.step("register", f"{worker} routed by {self.host.router.url} after {time.monotonic() - t0:.1f} s")
+
+    def rejoin_router(self, worker: str | None = None) -> str | None:
+        """`join_router` at the end of a rollback: the host is healthy on its previous release, so a
+        router that cannot take it back (unreachable past router.retry_window_s, a refused key)
+        does not make the host a thing to repair; what failed is returned, to be said, and the
+        host is left healthy, out of rotation. None: routed."""
+        try:
+            self.join_router(worker)
+        except StepFailed as e:
+            w = worker or self.host.router.worker
+            return (f"NOT re-registered: {w} is healthy but out of the router {self.host.router.url} ({e}); "
+                    f"put it back once the router answers (POST {self.host.router.url}/workers "
+                    f"{{\"url\": \"{w}\"}}, or the next deploy of {self.host.name} registers it)")
+        return None
 
     # -- the performance gate --------------------------------------------------------------------
     def gate_enabled(self, opts: DeployOptions) -> bool:

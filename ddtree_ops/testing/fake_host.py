@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -195,6 +196,8 @@ class FakeHost:
             return {"rc": 2 if refused else 0, "stdout": "", "stderr": refused or "",
                     "holders": {str(p): self.port_holders.get(p, []) for p in request["ports"]}}
         req = _map_paths(request, self._in)
+        if op == "compile":  # the fake host's venv interpreter is this machine's (run as the unit's user)
+            req["python"] = sys.executable
         answer = json.loads(json.dumps(proc.handle(req)))
         if op == "facts" and answer.get("ok"):
             res = answer["result"]

@@ -130,8 +130,8 @@ class LocalConnection:
 def local_agent(name: str = "local", *, lease_s: float = LOCK_LEASE_S, renew_s: float = LOCK_RENEW_S,
                 clock: Callable[[], float] = lease_clock, **conn: Any) -> AgentChannel:
     """An AgentChannel to an agent process on this machine, run by this interpreter."""
-    host = SimpleNamespace(name=name, python=sys.executable, connect_timeout_s=10.0, become=False,
-                           lock_lease_s=lease_s, lock_renew_s=renew_s)
+    host = SimpleNamespace(name=name, python=sys.executable, agent_python=sys.executable, connect_timeout_s=10.0,
+                           become=False, lock_lease_s=lease_s, lock_renew_s=renew_s)
     return AgentChannel(LocalConnection(**conn), host, clock=clock)  # type: ignore[arg-type]
 
 

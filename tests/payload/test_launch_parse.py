@@ -14,7 +14,7 @@ from ddtree_ops.artifacts.units import render_unit
 from ddtree_ops.runbook.launch_check import launch_line
 from ddtree_ops.testing.fake_host import fake_hosts
 from ddtree_ops.testing.local_agent import local_agent
-from sglang_env import PY, need_venv
+from sglang_env import PY, need_venv, site_packages
 
 pytestmark = pytest.mark.sglang
 
@@ -22,12 +22,14 @@ pytestmark = pytest.mark.sglang
 def _check(args, overlay):
     need_venv()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    if overlay is not None:
-        env["PYTHONPATH"] = str(overlay)  # the launch check's Python sees the patched tree
+    # The parse runs isolated (-I -S) with the unit's environment, not the agent's: the patched
+    # tree reaches it as a unit's Environment=PYTHONPATH would, site-packages as the request names it.
+    unit_env = [f"PYTHONPATH={overlay}"] if overlay is not None else []
     ch = local_agent(env=env)
     try:
         return ch.call({"op": "launch_check", "python": str(PY), "module": "sglang.launch_server", "sglang": True,
-                        "args": list(args), "ports": []}, 300)
+                        "args": list(args), "ports": [], "site_packages": str(site_packages()),
+                        "environment": unit_env}, 300)
     finally:
         ch.close()
 

@@ -1,6 +1,7 @@
 """The part of a deploy that runs ON the host: file facts, backup, atomic install, restore, lock,
-journal, the release store, systemctl, the launch check. Stdlib only, Python >= 3.8, run by the
-SGLang venv's interpreter (`python -I -S`: no site, no .pth file runs as root).
+journal, the release store, systemctl, the launch check. Stdlib only, Python >= 3.8, run as root
+by the host's system interpreter (`agent_python -I -S`), never the venv's (interpreter.py); the
+venv's interpreter runs only as the unit's User= (venv_compile.py, launch_check.py).
 
 One module per concern; `serve` is the dispatch loop. They are sent to the host joined into one
 source (host/agent_source.py: package-relative imports taken out, modules in dependency order) and

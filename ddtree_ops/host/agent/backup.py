@@ -1,6 +1,13 @@
 """Backups: every path a release will touch, copied into releases/<id>/backup and read back
 before anything is installed; the first pre-state of each path kept once more in original/; a
 backup verified against its manifest; and a restore, byte for byte, that refuses a corrupted backup.
+
+A path the controller sends with what preflight read there (`expect_sha256`/`expect_absent`) is
+compared first: one that changed since (an operator's edit between preflight and backup) makes the
+backup refuse before it writes anything, so the host stays exactly as preflight saw it.
+
+Bytecode is purged only for the files a restore actually changed, after all of them are back (a
+rollback of a release that never wrote a file leaves its __pycache__ alone, read-only or not).
 """
 
 import os
@@ -18,12 +25,17 @@ from .files import (
     read_json,
     sha256_file,
 )
-from .protocol import Backup, Restore, RestoreReply, VerifyBackup, VerifyBackupReply
+from .protocol import Backup, BackupChange, BackupReply, Restore, RestoreReply, VerifyBackup, VerifyBackupReply
 from .statedir import require_state_dir
 
 
 def op_backup(req: Backup):
-    """Copy every path the release will touch into releases/<id>/backup, then read it back."""
+    """Copy every path the release will touch into releases/<id>/backup, then read it back; a
+    path that changed since preflight: refuse, writing nothing."""
+    facts = [file_facts(item.path) for item in req.paths]
+    changed = changed_since_preflight(req.paths, facts)
+    if changed:
+        return BackupReply(None, changed)
     state = req.state_dir
     rid = req.release_id
     rdir = os.path.join(state, "releases", rid)
@@ -37,8 +49,7 @@ def op_backup(req: Backup):
     ensure_private_dir(os.path.join(partial, "files"))
     entries = []
     for i, item in enumerate(req.paths):
-        path = item.path
-        f = file_facts(path)
+        path, f = item.path, facts[i]
         entry = {"path": path, "kind": item.kind, "existed": f["exists"]}
         if f["exists"]:
             if not f["is_file"]:
@@ -61,7 +72,22 @@ def op_backup(req: Backup):
     os.rename(partial, final)
     fsync_dir(rdir)
     _record_original(state, entries, final)
-    return {"manifest": manifest}
+    return BackupReply(manifest, [])
+
+
+def changed_since_preflight(paths, facts):
+    """The paths whose content is not what preflight read (a path sent without an expectation is
+    not compared). The copy made next is read back against these same facts, so a change after
+    this comparison fails the backup's read-back instead of slipping through."""
+    changed = []
+    for i, item in enumerate(paths):
+        f = facts[i]
+        found = f["sha256"] if f["exists"] and f["is_file"] else None
+        if item.expect_absent and f["exists"]:
+            changed.append(BackupChange(i, found))
+        elif item.expect_sha256 is not None and found != item.expect_sha256:
+            changed.append(BackupChange(i, found))
+    return changed
 
 
 def _record_original(state, entries, backup_dir):
@@ -125,18 +151,29 @@ def op_restore(req: Restore):
                 # Already as recorded: rewriting it would need free space for a temp copy,
                 # which a full disk (the reason we may be rolling back) does not have.
                 restored.append({"path": path, "action": "unchanged", "sha256": e["sha256"]})
-                purge_bytecode(path)
                 continue
             with open(os.path.join(bdir, e["stored"]), "rb") as fh:
                 data = fh.read()
+            # Purged before the write too: a restore cut off between the write and the purge
+            # below finds the file "unchanged" next time, and would leave the bytecode.
+            purged = purge_bytecode(path)
             atomic_write(path, data, e["mode"], e["uid"], e["gid"])
-            restored.append({"path": path, "action": "restored", "sha256": e["sha256"]})
+            restored.append({"path": path, "action": "restored", "sha256": e["sha256"], "purged": purged})
         elif os.path.lexists(path):
+            purged = purge_bytecode(path)
             os.unlink(path)
             fsync_dir(os.path.dirname(path))
-            restored.append({"path": path, "action": "removed"})
-        purge_bytecode(path)
+            restored.append({"path": path, "action": "removed", "purged": purged})
+    purge_touched(restored)
     return RestoreReply(restored, False, [])
+
+
+def purge_touched(restored):
+    """Once every file is back: the stale bytecode of each one the restore wrote or removed (a
+    later entry cannot bring bytecode back for an earlier one)."""
+    for r in restored:
+        if r["action"] != "unchanged":
+            r["purged"] += purge_bytecode(r["path"])
 
 
 def op_verify_backup(req: VerifyBackup):

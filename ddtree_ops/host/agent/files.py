@@ -10,6 +10,16 @@ import os
 import tempfile
 
 
+def text_lines(path, limit):
+    """The lines of the first `limit` bytes of a text file (a file someone else may have written:
+    read bounded, undecodable bytes replaced); None when it cannot be read."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            return fh.read(limit).splitlines()
+    except OSError:
+        return None
+
+
 def sha256_file(path):
     h = hashlib.sha256()
     with open(path, "rb") as fh:

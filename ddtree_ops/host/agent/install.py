@@ -1,6 +1,7 @@
 """Installing new files: each one checked against its sha256, written atomically with its
-owner kept, its stale bytecode purged; and the new modules compiled with the host's own Python
-first (a syntax error stops the deploy before anything is written)."""
+owner kept, its stale bytecode purged (as it is written, and again for every .py once all are in
+place, whatever the order they came in). The new modules were compiled by the venv's Python before
+(venv_compile.py: a syntax error stops the deploy before anything is written)."""
 
 import base64
 import hashlib
@@ -9,21 +10,7 @@ import time
 
 from .errors import AgentError
 from .files import atomic_write, file_facts, purge_bytecode
-from .protocol import Compile, CompileReply, Install
-
-
-def op_compile(req: Compile):
-    """Compile the new modules with THIS interpreter (the host's own Python)."""
-    errors = []
-    for path, b64 in sorted(req.files.items()):
-        src = base64.b64decode(b64)
-        try:
-            compile(src, path, "exec", dont_inherit=True)
-        except SyntaxError as e:
-            errors.append("%s:%s: %s: %s" % (path, e.lineno, type(e).__name__, e.msg))
-        except ValueError as e:
-            errors.append("%s: %s" % (path, e))
-    return CompileReply(errors)
+from .protocol import Install
 
 
 def op_install(req: Install):
@@ -44,6 +31,10 @@ def op_install(req: Install):
         purged = purge_bytecode(path)
         done.append({"path": path, "sha256": item.sha256, "purged": purged})
         _test_pause(req.test_pause, len(done))
+    # Again once every file is in place: a file written after a module (its own bytecode, say)
+    # must not outlive that module's purge.
+    for entry in done:
+        entry["purged"] += purge_bytecode(entry["path"])
     return {"installed": done}
 
 

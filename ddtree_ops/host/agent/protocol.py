@@ -120,6 +120,8 @@ class Facts(Request):
     unit_path: str
     paths: List[str] = field(default_factory=list)
     secret_paths: List[str] = field(default_factory=list)
+    python: str = opt("")  # the venv's interpreter: its version is read from its files, never run
+    service_user: Optional[str] = opt()  # the unit's User=: its uid, or why the host has none
 
 
 @dataclass
@@ -150,10 +152,16 @@ class Journal(Request):
 
 @dataclass
 class Compile(Request):
-    """Compile new modules with the host's own Python: path → base64 source."""
+    """Compile new modules (path → base64 source) with the venv's interpreter `python`, run as the
+    unit's User=/Group= (its version decides the syntax; its code never runs as root)."""
 
     OP = "compile"
     files: Dict[str, str]
+    python: str
+    user: Optional[str] = opt()
+    group: Optional[str] = opt()
+    supplementary_groups: List[str] = opt(factory=list)
+    timeout: float = opt(120.0)
 
 
 @dataclass
@@ -168,8 +176,13 @@ class VerifyUnit(Request):
 
 @dataclass
 class BackupPath(Message):
+    """`expect_sha256`/`expect_absent`: what preflight read there; the backup refuses a path that
+    changed since (left off the wire when unset, as an older controller sends it: no check)."""
+
     path: str
     kind: str = "file"
+    expect_sha256: Optional[str] = opt()
+    expect_absent: bool = opt(False)
 
 
 @dataclass
@@ -269,6 +282,16 @@ class LaunchCheck(Request):
     scrub_files: List[str] = field(default_factory=list)
     secret_words: List[str] = field(default_factory=list)
     timeout: float = opt(180.0)
+    # The parse runs as the unit's process would (host/agent/unit_identity.py): these are the
+    # unit's [Service] settings as artifacts/unit_service.py reads them; site_packages is put on
+    # the isolated interpreter's sys.path.
+    site_packages: str = opt("")
+    user: Optional[str] = opt()
+    group: Optional[str] = opt()
+    supplementary_groups: List[str] = opt(factory=list)
+    environment: List[str] = opt(factory=list)
+    environment_files: List[str] = opt(factory=list)
+    working_directory: Optional[str] = opt()
 
 
 @dataclass
@@ -297,6 +320,7 @@ class HelloReply(Message):
     pid: int
     python: str
     unit: Optional[str] = opt()  # the transient systemd unit the agent runs in (None: the SSH session)
+    refused: Optional[str] = opt()  # why the agent will not run as root on this interpreter
 
 
 @dataclass
@@ -316,6 +340,8 @@ class UnlockReply(Message):
 @dataclass
 class CompileReply(Message):
     errors: List[str]
+    failed: Optional[str] = opt()  # the compile could not run (no such user, interpreter, output)
+    ran_as: Optional[Dict[str, Any]] = opt()  # {"user", "uid", "gid"} of the compiling process
 
 
 @dataclass
@@ -324,6 +350,22 @@ class VerifyUnitReply(Message):
     returncode: Optional[int] = opt()
     stdout: str = opt("")
     stderr: str = opt("")
+
+
+@dataclass
+class BackupChange(Message):
+    """A path that changed since preflight: its index in the request and what is there now."""
+
+    index: int
+    found_sha256: Optional[str]  # None: the path is absent, or not a regular file
+
+
+@dataclass
+class BackupReply(Message):
+    """`changed` non-empty: the backup refused and kept nothing (no backup, no partial one)."""
+
+    manifest: Optional[Dict[str, Any]]
+    changed: List[BackupChange] = message_list(BackupChange)
 
 
 @dataclass

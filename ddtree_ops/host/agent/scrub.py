@@ -2,17 +2,14 @@
 the files the controller names are blanked (***) out of what goes back. SGLang logs its
 server_args, API key included, and its parser's errors repeat argument values."""
 
+from .files import text_lines
+
 
 def secret_values(paths, words):
     """Values of secret-named keys (`api-key: v`, `HF_TOKEN=v`) in the given files, longest first."""
     values = set()
     for path in paths:
-        try:
-            with open(path, encoding="utf-8", errors="replace") as fh:
-                lines = fh.read(1 << 20).splitlines()
-        except OSError:
-            continue
-        for line in lines:
+        for line in text_lines(path, 1 << 20) or ():
             line = line.strip()
             if not line or line.startswith("#"):
                 continue

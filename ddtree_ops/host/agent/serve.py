@@ -1,7 +1,8 @@
 """The agent's dispatch: one process per operation, one JSON request per line in, one JSON answer
 per line out, every request decoded into its `protocol` class before its op runs.
 
-The controller (host/channel.py) starts `python -I -S -c BOOTSTRAP`, sends the agent's source (its
+The controller (host/channel.py) starts `AGENT_PYTHON -I -S -c BOOTSTRAP` (the inventory's
+`agent_python`, a root-owned system interpreter, never the venv's: interpreter.py), sends the agent's source (its
 modules joined into one, 10-digit length then the bytes), then the requests of the operation over
 one SSH channel. On a host run by systemd, BOOTSTRAP first moves into a transient unit of its own
 (`systemd-run --pipe`, its stdin and stdout still the channel's), so the agent outlives the SSH
@@ -19,8 +20,10 @@ import sys
 import time
 
 from .backup import op_backup, op_restore, op_verify_backup
+from .errors import AgentError
 from .facts import op_facts
-from .install import op_compile, op_install
+from .install import op_install
+from .interpreter import interpreter_problem
 from .launch_check import op_launch_check
 from .lease import Expiry, Lease, expire, lease_clock
 from .lock import LockState, mark_orphaned, op_lock, op_unlock
@@ -52,6 +55,7 @@ from .protocol import (
 )
 from .store import op_history, op_journal, op_prune, op_release_write, op_remove_partial, op_set_current
 from .systemd import op_run, op_verify_unit
+from .venv_compile import op_compile
 
 # Reads the agent's source from stdin without a buffered reader (the serve loop selects on fd 0
 # and must see every byte that follows), then serves requests until EOF. `sys.argv[1]`, when
@@ -67,7 +71,7 @@ READER = "\n".join([
     " return b",
     "g={'__name__':'ddtree_agent'}",
     "exec(compile(r(int(r(10))).decode(),'ddtree_agent','exec'),g)",
-    "g['serve']()",
+    "g['main']()",
 ])
 UNIT_PREFIX = "ddtree-ops-agent-"
 # Where the host runs systemd (as PID 1) and the agent runs as root: READER again, in a transient
@@ -104,7 +108,8 @@ OPS = {
 class Agent:
     """One agent process: answers requests and holds the deploy lock while its lease lasts."""
 
-    def __init__(self, clock=lease_clock, heal_fn=None, unit=None):
+    def __init__(self, clock=lease_clock, heal_fn=None, unit=None, refused=None):
+        self.refused = refused  # why this agent will not act (its interpreter): said in its hello
         self.lock = LockState()
         self.lock.unit = unit
         self.lease = Lease(clock=clock)
@@ -128,7 +133,9 @@ class Agent:
                 if not float(request.lease_s) > 0:
                     raise ValueError("lease_s must be > 0, got %r" % (request.lease_s,))
                 self.lease.lease_s = float(request.lease_s)
-            return HelloReply(os.getpid(), sys.version.split()[0], self.unit)
+            return HelloReply(os.getpid(), sys.version.split()[0], self.unit, self.refused)
+        if self.refused:
+            raise AgentError(self.refused)
         if isinstance(request, Renew):
             return {}
         if isinstance(request, Lock):
@@ -160,6 +167,12 @@ def unit_of(argv):
     """The systemd unit this agent runs in (BOOTSTRAP's UNIT_LAUNCH named it), or None."""
     name = argv[1] if len(argv) > 1 else ""
     return name if name.startswith(UNIT_PREFIX) else None
+
+
+def main():
+    """The agent as BOOTSTRAP starts it: its unit from its arguments, and its interpreter checked
+    (an agent on an interpreter others can change answers its hello with why, and nothing else)."""
+    serve(agent=Agent(unit=unit_of(sys.argv), refused=interpreter_problem()))
 
 
 def serve(fd_in=0, fd_out=1, agent=None):

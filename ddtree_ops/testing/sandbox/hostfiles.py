@@ -152,6 +152,15 @@ def _tool_site_packages() -> str:
     return next(p for p in sys.path if p.endswith("site-packages") and p.startswith(sys.prefix))
 
 
+def _tool_folders() -> list[str]:
+    """The tool's site-packages and, for an editable install (whose finder is a .pth file's code),
+    the checkout that holds the ddtree_ops package."""
+    import ddtree_ops
+
+    folders = [_tool_site_packages(), str(Path(ddtree_ops.__file__).resolve().parents[1])]
+    return list(dict.fromkeys(folders))
+
+
 # The folders of HOST_DIR bound into the host at production paths (see container.py), and the
 # sandbox's own folder at SANDBOX_RUN. A reset in place empties them (never deletes them: the
 # running container holds each by its inode) and writes them anew; var-log keeps the journal.
@@ -205,8 +214,10 @@ def _prepare_host_files(h: SandboxHost, host: Host, client_pub: Path,
     # is an empty folder instead of copying 6,000 files.
     # The tool's own environment (the whole ddtree_ops package with the stand-in, torch) behind
     # the real files: upstream sglang stays first on sys.path, exactly as in the production venv.
+    # Folder lines, not code: the launch check's isolated parse (`python -I -S`) puts a .pth
+    # file's folders on sys.path but never runs its `import` lines.
     (run_dir / "site-upper" / "zz-ddtree-ops-sandbox.pth").write_text(
-        f"import site; site.addsitedir({_tool_site_packages()!r})\n")
+        "".join(f"{p}\n" for p in _tool_folders()))
 
     # Units: the DFlash server runs; the DDTree unit is there at its old settings, stopped.
     old = replace(host, budget=7, topk_cap=1)

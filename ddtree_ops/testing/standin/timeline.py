@@ -44,6 +44,7 @@ from .args import (
     unrecognized,
 )
 from .logs import log, log_raw
+from .parse_probe import record_parse
 from .payload import find_site_packages, list_ddtree_modules, prepare_parent_packages, sha256_short
 from .server import WARMUP_HEADER, _Server, make_server
 from .state import BASE_VERIFY_STEPS_PER_SECOND, GRAPH_PHASES, SGLANG_VERSION, State
@@ -203,6 +204,7 @@ def run(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if parse_only:
         refused = unrecognized(unknown, sglang_flags(find_site_packages(args.standin_site_packages)))
+        record_parse(2 if refused else 0)
         if refused:
             parser.print_usage(sys.stderr)
             sys.stderr.write(f"{parser.prog}: error: unrecognized arguments: {' '.join(refused)}\n")

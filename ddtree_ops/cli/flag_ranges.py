@@ -1,0 +1,49 @@
+"""Range checks of the command line's numbers, run before anything connects.
+
+A typo in a flag must cost nothing: `--deadline -5` once stopped the serving unit and rolled
+it back at once (two restarts of a 1T model), and `--forks 0` ended in a thread pool's
+ValueError. Each check uses the inventory's own validators (config/schema.py), so a flag and
+the inventory value it overrides accept the same numbers; a refusal is InputError (exit 2)
+naming the flag.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..config.schema import Invalid, int_range, number_range
+from ..errors import InputError
+from ..fleet.rollout import parse_percent, plan_batches
+
+FORKS_MAX = 1000  # SSH connections at once; more would run out of file descriptors first
+CANARY_MAX = 10_000
+DEADLINE_MAX_S = 86_400.0  # the inventory's health.load_deadline_s bound
+
+
+def _checked(flag: str, check: Any, value: Any) -> Any:
+    try:
+        return check(value, {})
+    except Invalid as e:
+        raise InputError(f"{flag} {e.problem}") from None
+
+
+def check_forks(forks: int) -> int:
+    return _checked("--forks", int_range(1, FORKS_MAX), forks)
+
+
+def check_deadline(deadline_s: float | None) -> float | None:
+    """--deadline: seconds for the weights to load; None keeps the inventory's."""
+    if deadline_s is None:
+        return None
+    return _checked("--deadline", number_range(1, DEADLINE_MAX_S), deadline_s)
+
+
+def check_rollout_flags(targets: int, *, forks: int, canary: int = 0, batch: str | None = None,
+                        max_fail: str | None = None, deadline_s: float | None = None) -> None:
+    """Every number a rollout takes: InputError for the first one out of range."""
+    check_forks(forks)
+    _checked("--canary", int_range(0, CANARY_MAX), canary)
+    if max_fail is not None:
+        parse_percent(max_fail)
+    plan_batches(targets, canary=canary, batch=batch)
+    check_deadline(deadline_s)

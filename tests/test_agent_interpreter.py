@@ -100,7 +100,9 @@ def fake_lstat(overrides: dict[str, tuple[int, int]]):
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory) -> Path:
     """A venv of this machine's base interpreter (bin/python, pyvenv.cfg), in a temp folder."""
-    d = tmp_path_factory.mktemp("agentpy") / "venv"
+    parent = tmp_path_factory.mktemp("agentpy")
+    parent.chmod(0o777)  # world-writable, not sticky: what lies in it could be swapped by anyone
+    d = parent / "venv"
     subprocess.run([str(Path(sys.base_prefix) / "bin" / "python3"), "-m", "venv", "--without-pip", str(d)],
                    check=True)
     return d
@@ -124,17 +126,34 @@ def test_an_interpreter_only_root_can_change_passes_and_one_others_can_change_is
 
 
 def test_a_path_under_a_world_writable_folder_is_refused_as_sshd_strictmodes_would(tmp_path):
-    sticky = tempfile.gettempdir()
-    assert os.stat(sticky).st_mode & 0o002  # /tmp: 1777
-    why = path_problem(str(tmp_path / "python3"))
-    assert why is not None and "writable by" in why
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    open_dir.chmod(0o777)  # anyone may rename what is in it
+    why = path_problem(str(open_dir / "python3"))
+    assert why is not None and f"{open_dir} is writable by group and others (mode 0777)" in why
     assert path_problem("/usr/bin") is None  # control: root's 0755 all the way down
+
+
+def test_a_root_owned_sticky_folder_such_as_tmp_is_no_way_in():
+    # Others may add entries to /tmp (1777) but never rename or remove root's: what lies in a
+    # root-owned, closed folder below it is root's alone. The same folder without the sticky bit
+    # is refused (the test above).
+    sticky = tempfile.gettempdir()
+    st = os.stat(sticky)
+    assert st.st_mode & 0o1002 == 0o1002 and st.st_uid == 0
+    inside = tempfile.mkdtemp()  # 0700, root's
+    try:
+        assert path_problem(inside) is None
+        os.chmod(inside, 0o1777)  # the leaf itself is judged by its own mode, sticky or not
+        assert "writable by group and others" in (path_problem(inside) or "")
+    finally:
+        os.rmdir(inside)
 
 
 @needs_root
 @needs_system_python
 def test_an_agent_on_an_interpreter_others_can_change_refuses_with_exit_2_and_does_nothing(venv, tmp_path):
-    """The venv lies under /tmp (world-writable): started there as root, the agent says why in its
+    """The venv lies in a world-writable folder: started there as root, the agent says why in its
     hello and runs nothing; the channel stops with a PreflightError (exit 2) naming agent_python.
     The control starts the same request on the system interpreter."""
     state = tmp_path / "state"

@@ -7,7 +7,8 @@ interpreter the agent could still be started on by mistake (the venv's, one unde
 folder) is refused here, at the agent's first answer, before it touches anything: the
 executable (as named and as resolved), a `pyvenv.cfg` beside or above it, and the standard
 library it loaded must each be owned by root and not writable by group or others, and so must
-every folder above them.
+every folder above them (a root-owned sticky folder such as /tmp may be world-writable: nobody
+else can rename or remove what root owns in it).
 
 What this can and cannot do: it stops the agent from acting on a misconfigured interpreter (the
 deploy is refused, exit 2). It cannot undo what an interpreter that was already subverted ran
@@ -36,6 +37,8 @@ def path_problem(path, lstat=os.lstat):
             continue
         if st.st_uid != 0:
             return "%s is owned by uid %d, not root" % (p, st.st_uid)
+        if stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX and p != path:
+            continue  # root's sticky folder (/tmp): others may add entries, never rename or remove root's
         if st.st_mode & 0o022:
             return "%s is writable by %s (mode %04o)" % (
                 p, "group and others" if st.st_mode & 0o022 == 0o022 else

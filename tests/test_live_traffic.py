@@ -127,11 +127,14 @@ def test_a_rolling_deploy_and_a_rollback_through_smg_fail_no_request(routed_flee
 
 def _gate_inventory(sandbox, path: Path, **extra) -> Path:
     """The performance gate on, with a short deterministic workload (greedy) and loose thresholds:
-    the stand-ins share two CPU cores, so only a clear slowdown may fail."""
+    the stand-ins share two CPU cores with the other test workers, so only a clear slowdown may fail.
+    The p99s of ~60 requests are their slowest one: one request delayed by a busy machine (94 ms →
+    328 ms seen) made an unchanged release marginal, so the tails get limits only a real slowdown
+    reaches; the slowed release fails on throughput."""
     gate = {"duration_s": 2, "min_requests": 6, "concurrency": 2, "max_new_tokens": 24, "temperature": 0.0,
             "thresholds": {"marginal_drop": 0.25, "fail_drop": 0.5, "ttft_p50_marginal": 1.0, "ttft_p50_fail": 3.0,
-                           "ttft_p99_marginal": 2.0, "ttft_p99_fail": 5.0, "itl_p50_marginal": 0.5,
-                           "itl_p50_fail": 1.0, "itl_p99_marginal": 2.0, "itl_p99_fail": 5.0}}
+                           "ttft_p99_marginal": 9.0, "ttft_p99_fail": 10.0, "itl_p50_marginal": 0.5,
+                           "itl_p50_fail": 1.0, "itl_p99_marginal": 9.0, "itl_p99_fail": 10.0}}
     inv = write_inventory(sandbox, path, {"sbx1": extra, "sbx2": {}})
     doc = yaml.safe_load(inv.read_text())
     doc["all"]["vars"]["perf_gate"] = gate

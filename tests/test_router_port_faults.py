@@ -166,6 +166,15 @@ class Outage:
         if self.for_s is None:
             self.router.start_again()
 
+    def through(self):
+        """The outage at the pause point, then the tool's result; the router is back afterwards
+        whatever happened."""
+        try:
+            self.run()
+            return self.cli.wait(300)
+        finally:
+            self.end()
+
 
 @pytest.mark.parametrize("point", ["before-deregister", "before-register"])
 def test_a_ten_second_router_outage_while_the_host_leaves_or_joins_it_still_deploys(routed_host, good_patchset,
@@ -175,11 +184,7 @@ def test_a_ten_second_router_outage_while_the_host_leaves_or_joins_it_still_depl
     cli = start_cli("deploy", "-i", str(inventory()), "-p", str(good_patchset), "--yes", "--json",
                     env={**router.env, **pause_env(point, marker)})
     outage = Outage(cli, marker, router, 10)
-    try:
-        outage.run()
-        r = cli.wait(300)
-    finally:
-        outage.end()
+    r = outage.through()
     assert r.code == 0, r.stderr[-3000:]
     assert time.monotonic() - outage.down_at > 10
     assert th.unit_state(DDTREE) == "active" and _health(th.host.base_url) == 200
@@ -195,11 +200,7 @@ def test_a_router_outage_past_the_window_at_registration_rolls_back_healthy_and_
     cli = start_cli("deploy", "-i", str(inventory({"retry_window_s": 5})), "-p", str(good_patchset), "--yes",
                     env={**router.env, **pause_env("before-register", marker)})
     outage = Outage(cli, marker, router, None)
-    try:
-        outage.run()
-        r = cli.wait(300)
-    finally:
-        outage.end()
+    r = outage.through()
     assert r.code == 3, r.stderr[-3000:]
     assert f"NOT re-registered: {th.host.base_url} is healthy" in r.stderr, r.stderr[-3000:]
     assert "router.retry_window_s is 5 s" in r.stderr

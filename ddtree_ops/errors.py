@@ -60,6 +60,15 @@ class InventoryError(InputError):
         super().__init__(f"{where}: {problem}")
 
 
+class DefaultsFileError(InputError):
+    """The defaults file (ddtree-ops.toml, $DDTREE_OPS_CONFIG, [tool.ddtree-ops]) is unreadable or has
+    an unknown key or a wrong value; the message names the file and the key."""
+
+    def __init__(self, file: str, key: str | None, problem: str):
+        self.file, self.key, self.problem = file, key, problem
+        super().__init__(f"{file}: key {shown(key)}: {problem}" if key else f"{file}: {problem}")
+
+
 class PatchSetError(InputError):
     """A patch set (manifest or files) is malformed or inconsistent."""
 
@@ -81,6 +90,14 @@ class ChangedSincePreflight(PreflightError):
     anything and the deploy stops there, the host as preflight saw it (no rollback to run)."""
 
 
+class Declined(InputError):
+    """The operator answered no to the confirmation prompt: nothing was changed."""
+
+
+class LocalKeyMissing(InputError):
+    """A host's `identity_file` is not a readable file on this machine: found before connecting."""
+
+
 class HostKeyError(InputError):
     """The host's SSH key is unknown or changed; we refuse to talk to it."""
 
@@ -91,6 +108,17 @@ class UnreachableError(DdtreeOpsError):
 
 class RemoteCommandError(DdtreeOpsError):
     """A remote command failed unexpectedly."""
+
+
+class RouterPoolShort(DdtreeOpsError):
+    """The router in front of the next batch has too few workers ready to take it out of service
+    (a worker that is not the rollout's is down, or max_unavailable allows none): the rollout
+    stops before that batch. Exit 2 when it had changed nothing yet; 1 when earlier batches ran
+    (they stay as they are: rolling them back would take more workers out of a short pool)."""
+
+    def __init__(self, message: str, *, changed: bool):
+        super().__init__(message)
+        self.exit_code = EXIT_ERROR if changed else EXIT_BAD_INPUT
 
 
 class LockHeldError(DdtreeOpsError):

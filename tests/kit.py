@@ -15,9 +15,10 @@ import os
 import signal
 import subprocess
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytest
 import yaml
@@ -450,3 +451,22 @@ def write_inventory(sandbox, path: Path, host_vars: dict[str, dict] | None = Non
         doc = multinode_inventory(doc, multinode)
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path
+
+
+# ---------------------------------------------------------------------------------------------
+# a busy machine, made on purpose: the gate's verdict must not follow the machine's load
+
+
+@contextmanager
+def busy_loops(n: int) -> Iterator[list[subprocess.Popen]]:
+    """n processes spinning on a core each, ended by their PIDs."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
+             for _ in range(n)]
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for p in procs:
+            p.wait(10)

@@ -360,8 +360,9 @@ def test_plan_and_deploy_never_run_a_doctored_venv_interpreter_as_root(fresh_hos
     """The host venv's pyvenv.cfg names a standard library that records who ran it. Controls
     first: the venv's interpreter run as root under `-I -S` records uid 0 (the doctoring works),
     and so does an agent put on it (`agent_python` = the venv's). Then, with the default
-    agent_python and `service_user: nobody`: plan runs nothing of the venv, and deploy (compile,
-    launch check, the server itself) runs it only as nobody."""
+    agent_python and `service_user: nobody`: plan (its dry run compiles and parses the launch
+    line, as deploy does) and deploy (compile, launch check, the server itself) run it only as
+    nobody."""
     h = fresh_host.host
     venv = os.path.dirname(os.path.dirname(h.python))
     cfg = f"{venv}/pyvenv.cfg"
@@ -397,12 +398,15 @@ def test_plan_and_deploy_never_run_a_doctored_venv_interpreter_as_root(fresh_hos
         assert th.host.agent_python == AGENT_PYTHON
         r = cli("plan", "-i", str(th.inventory), "-l", h.name, "-p", str(good_patchset), "--json")
         assert r.code == 0, r.stderr[-2000:]
-        assert _runs(fresh_host) == []  # plan reads the venv's files, never runs its interpreter
+        nobody = 65534
+        runs = _runs(fresh_host)  # plan's dry run: deploy's compile and launch parse, as the unit's user only
+        assert runs and all(uid == nobody for uid, _ in runs), runs
+        assert any("--parse-only" in cmd for _, cmd in runs), runs
+        _clear(fresh_host)
 
         r = cli("deploy", "-i", str(th.inventory), "-l", h.name, "-p", str(good_patchset), "--yes", "--json")
         assert r.code == 0, r.stderr[-3000:]
         runs = _runs(fresh_host)
-        nobody = 65534
         assert runs and all(uid == nobody for uid, _ in runs), runs
         assert any(" -I -S -c " in cmd and "compile(" in cmd for _, cmd in runs), runs  # the compile ran
         assert any("--parse-only" in cmd for _, cmd in runs), runs  # and the launch check

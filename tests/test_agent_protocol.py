@@ -219,6 +219,8 @@ def _sample(cls: type) -> p.Request:
             values[f.name] = [p.BackupPath("/a", "unit")]
         elif "InstallFile" in hint:
             values[f.name] = [p.InstallFile("/a", "eA==", "ab", 0o600)]
+        elif "WantedContent" in hint:
+            values[f.name] = [p.WantedContent("/a", "ab")]
         elif "List[typing.List" in hint:
             values[f.name] = [["systemctl", "status"]]
         elif "List[int]" in hint:

@@ -53,8 +53,11 @@ def test_a_file_edited_between_preflight_and_backup_is_refused_and_with_force_re
     r = p.wait(180)
 
     assert r.code == 2, r.stderr
+    # one refusal line for the host, and the rollout's abort line gives the same reason once
     errors = [ln for ln in r.stderr.splitlines() if "changed since preflight" in ln]
-    assert len(errors) == 1 and h.name in errors[0] and DFLASH_INFO in errors[0], r.stderr
+    assert len(errors) == 2 and all(DFLASH_INFO in e for e in errors), r.stderr
+    assert errors[0].startswith(f"[{h.name}] refused: {h.name}: ") and errors[0].count(h.name) == 2, r.stderr
+    assert errors[1].startswith("== rollout aborted: canary refused") and errors[1].count(h.name) == 1, r.stderr
     assert "Traceback" not in r.stderr + r.stdout
     assert host_tree(th) == edited_tree  # nothing installed, nothing restored, bytecode untouched
     assert th.unit_state(DFLASH) == "active" and th.unit_state(DDTREE) != "active"

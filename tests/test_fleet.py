@@ -297,8 +297,8 @@ def test_max_fail_must_be_exceeded_and_an_abort_reverts_what_this_run_updated(fl
     inv = write_inventory(sb, tmp_path / "inv.yaml", {"sbx1": {"min_free_mb": 10_000_000}})
     sbx1_before = _snap(fleet[0])
     ps_a = _ps(tmp_path / "a", "budget-a")
-    r = run_cli("deploy", "-i", str(inv), "-p", str(ps_a), "--canary", "0", "--batch", "2", "--max-fail", "50%",
-                "--yes", "--json")
+    r = run_cli("deploy", "-i", str(inv), "-p", str(ps_a), "--canary", "0", "--batch", "2", "--max-unavailable", "2",
+                "--max-fail", "50%", "--yes", "--json")
     doc = r.json()
     assert r.code == doc["exit_code"] == 2, r.stderr  # one host refused; 1 of 2 = 50% is not > 50%
     assert not doc["aborted"] and doc["batches"] == [["sbx1", "sbx2"], ["sbx3", "sbx4"]]
@@ -310,7 +310,7 @@ def test_max_fail_must_be_exceeded_and_an_abort_reverts_what_this_run_updated(fl
 
     # Same failure with 49%: 50% > 49% → no new batch; sbx2 (updated by this run) goes back to release A.
     r = run_cli("deploy", "-i", str(inv), "-p", str(_ps(tmp_path / "b", "budget-b")), "--canary", "0",
-                "--batch", "2", "--max-fail", "49", "--yes", "--json")
+                "--batch", "2", "--max-unavailable", "2", "--max-fail", "49", "--yes", "--json")
     doc = r.json()
     assert r.code == doc["exit_code"] == 3, r.stderr
     assert doc["aborted"] and "exceeded" in doc["abort_reason"] and doc["reverted"] == ["sbx2"]
@@ -356,7 +356,8 @@ def test_one_host_down_is_a_status_row_and_fails_only_itself_within_the_budget(f
     from ddtree_ops.artifacts.bundle import build_bundle
     b = build_bundle(str(_ps(tmp_path, "down")), tmp_path / "dist")
     t0 = time.monotonic()
-    r = run_cli("deploy", "-i", inv, "--bundle", str(b.path), "--max-fail", "25%", "--yes", "--json")
+    r = run_cli("deploy", "-i", inv, "--bundle", str(b.path), "--max-fail", "25%", "--max-unavailable", "3", "--yes",
+                "--json")
     doc = r.json()
     assert r.code == doc["exit_code"] == 1, r.stderr  # unreachable: 1 of 4 = 25%, within the budget
     assert not doc["aborted"] and doc["bundle"] == b.id

@@ -81,7 +81,12 @@ def test_bad_values_are_rejected_naming_file_host_and_field(field, value, proble
 
 def test_missing_required_field_is_named():
     with pytest.raises(InventoryError, match="field 'address': is required"):
-        inv({"ct": {}})
+        inv({"c_t": {}})  # not a DNS name, so its name cannot stand for its address
+
+
+def test_a_host_without_an_address_is_reached_at_its_name_as_ansible_does():
+    assert inv({"gpu1.example.com": {}}).host("gpu1.example.com").address == "gpu1.example.com"
+    assert inv({"gpu1": {"address": "10.0.0.5"}}).host("gpu1").address == "10.0.0.5"
 
 
 def test_malformed_yaml_names_the_line(tmp_path):
@@ -91,7 +96,7 @@ def test_malformed_yaml_names_the_line(tmp_path):
         load_inventory(p)
 
 
-def test_unknown_group_key_and_missing_all_are_rejected():
+def test_unknown_group_key_and_a_group_section_at_the_top_are_rejected():
     with pytest.raises(InventoryError, match="top level must be a mapping with the group 'all'"):
         parse_inventory({"hosts": {}}, "x.yaml")
     with pytest.raises(InventoryError, match="unknown keys hostz"):
@@ -102,7 +107,11 @@ def test_limit_takes_hosts_groups_and_globs_and_rejects_typos():
     i = inv({}, children={"east": {"hosts": {"gpu1": {"address": "10.0.0.1"}, "gpu2": {"address": "10.0.0.2"}}},
                           "west": {"hosts": {"gpu3": {"address": "10.0.0.3"}}}})
     assert [h.name for h in i.select("west")] == ["gpu3"]
-    assert [h.name for h in i.select("gpu[12]")] == ["gpu1", "gpu2"]
+    assert [h.name for h in i.select("gpu[!3]")] == ["gpu1", "gpu2"]
+    # As in Ansible, NAME[N] is the N-th host NAME matches, not a glob: no 'gpu' host or group.
+    assert [h.name for h in i.select("east[1]")] == ["gpu2"]
+    with pytest.raises(InputError, match="'gpu\\[12\\]' matches no host or group"):
+        i.select("gpu[12]")
     assert [h.name for h in i.select("gpu3,east")] == ["gpu1", "gpu2", "gpu3"]
     assert len(i.select(None)) == 3
     with pytest.raises(InputError, match="matches no host or group"):
@@ -216,7 +225,8 @@ VALIDATION = [
      "must be an integer 1..4096, got 4097"),
     ("h1: {address: '10.0.0.1', health: {min_accept_length: -1}}", "h1", "health.min_accept_length",
      "must be a number 0..1025, got -1"),
-    ("h1: {}", "h1", "address", "is required: an IP address or DNS name"),
+    # Without address/ansible_host a host is reached at its name, as Ansible does; 'h_1' is no DNS name.
+    ("h_1: {}", "h_1", "address", "is required: an IP address or DNS name"),
     ("h1: {address: 7}", "h1", "address", "must be an IP address or DNS name, got 7"),
     ("h1: {address: '10.0.0.1', budgett: 8}", "h1", "budgett", "unknown key in host vars; allowed: address,"),
     # Group vars: the host that inherits the bad value is named.

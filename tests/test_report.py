@@ -230,6 +230,106 @@ def test_render_is_pure_and_survives_partial_documents():
     assert render_report({}).startswith("<!DOCTYPE html>")
 
 
+class Notes:
+    """A rollout's progress view that keeps its notes: the CLI's own batch names."""
+
+    def __init__(self):
+        self.said: list[str] = []
+
+    def __getattr__(self, name):
+        return lambda *a: None
+
+    def note(self, msg: str) -> None:
+        self.said.append(msg)
+
+
+@pytest.mark.parametrize(("canary", "batch", "kind"), [(1, "1", "deploy"), (1, None, "deploy"), (2, "1", "deploy"),
+                                                       (0, "2", "rollback")])
+def test_batches_are_numbered_as_the_cli_numbers_them(canary, batch, kind):
+    from ddtree_ops.config.inventory import parse_inventory
+    from ddtree_ops.fleet.rollout import Rollout, Target
+    from ddtree_ops.runbook.results import HostResult, Outcome
+    from ddtree_ops.testing.fake_host import fake_inventory
+
+    inv = parse_inventory(fake_inventory(4), "inv.yaml")
+    targets = [Target(h.name, (h,)) for h in inv.hosts.values()]
+    ok = Outcome.DEPLOYED if kind == "deploy" else Outcome.ROLLED_BACK
+    view = Notes()
+    res = Rollout(targets, lambda t, report: [HostResult(t.name, ok, 0)], kind=kind, canary=canary, batch=batch,
+                  progress=view).run()
+    said = [n for n in view.said if n.startswith(("canary:", "batch "))]
+    doc = {**res.to_dict(), "canary": canary}
+    labels = report.batch_labels(doc["batches"], report._canary_count(doc))
+    assert [f"{label}: {', '.join(b)}" for label, b in zip(labels, doc["batches"], strict=True)] == said
+    page = parse(render_report(doc))
+    assert all(f"{label}: " in "".join(page.text) for label in labels)
+    if canary == 1 and batch == "1":  # the control: the old numbering skipped "batch 1"
+        assert labels == ["canary", "batch 1", "batch 2", "batch 3"]
+    if kind == "rollback":
+        assert "canary" not in labels and report._canary_count({"action": "rollback"}) == 0
+
+
+def rollback_doc(action: str) -> dict:
+    plan = [("rollback", 1.0), ("restore", 2.0), ("rollback: restarted", 1.0), ("rollback: healthy", 20.0),
+            ("rolled back", 0.5)]
+    return {"action": action, "ok": action == "rollback", "exit_code": 0 if action == "rollback" else 3,
+            "batches": [["gpu-node-01"]], "hosts": [
+                {"host": "gpu-node-01", "outcome": "rolled_back", "exit_code": 0 if action == "rollback" else 3,
+                 "steps": steps(0.0, plan), "seconds": 24.5}]}
+
+
+def test_a_successful_rollback_is_drawn_in_the_colours_of_what_it_did_not_in_red():
+    red = step_colour("rolled back")
+    fills = {a["data-step"]: a["fill"] for t, a in parse(render_report(rollback_doc("rollback"))).tags
+             if t == "rect" and "phase" in a.get("class", "")}
+    assert red not in fills.values(), fills
+    assert fills["rollback: healthy"] == step_colour("health gate") and fills["rolled back"] == step_colour("commit")
+    page = render_report(rollback_doc("rollback"))
+    assert '<span class="badge good">OK</span>' in page
+    control = {a["fill"] for t, a in parse(render_report(rollback_doc("deploy"))).tags  # a deploy that failed
+               if t == "rect" and "phase" in a.get("class", "")}
+    assert control == {red}
+    assert '<span class="badge warn">ROLLED BACK: healthy</span>' in render_report(rollback_doc("deploy"))
+
+
+def exit_cells(page: str) -> dict[str, str]:
+    """host → the exit cell of its summary row."""
+    return dict(re.findall(r'class="host-row" data-host="([^"]+)">.*?<td class="num">([^<]*)</td>', page))
+
+
+def test_a_host_that_never_started_shows_no_exit_code_of_its_own():
+    doc = sample_doc()
+    doc["hosts"].append({"host": "gpu-node-05", "outcome": "skipped", "exit_code": 0,
+                         "message": "not started: canary failed (1 of 1)", "steps": []})
+    exits = exit_cells(render_report(doc))
+    assert exits["gpu-node-05"] == "not run" and exits["gpu-node-01"] == "0"  # the control: a real exit 0
+    doc["hosts"][-1]["exit_code"] = 1  # skipped because of an interrupt: it counts as exit 1
+    assert exit_cells(render_report(doc))["gpu-node-05"] == "not run (1)"
+
+
+def test_what_an_operator_wants_first_is_at_the_top():
+    doc = {**sample_doc(), "ran_by": "ops@console", "change": {
+        "from": "sglang-k26-dflash-cg.service or the release each host ran before",
+        "to": "sglang-k26-ddtree.service: ddtree-temp 2.0.0, budget 16, topk 4, bundle b-9f3c"}}
+    doc["hosts"][1]["serving"] = {"before": {"accept_length": 1.0, "output_tps": 0.0},
+                                  "after": {"accept_length": 3.42, "output_tps": 812.0}, "source": "server"}
+    page = render_report(doc)
+    head = page[:page.index("<h2>Hosts</h2>")]
+    text = "".join(parse(head).text)
+    assert "sglang-k26-dflash-cg.service or the release each host ran before → sglang-k26-ddtree.service: " \
+           "ddtree-temp 2.0.0, budget 16, topk 4, bundle b-9f3c" in text
+    assert "ops@console" in text
+    assert "client errors" in text and "not measured" in text
+    serving = page[page.index("<h2>Serving before → after</h2>"):page.index("<h2>Timeline</h2>")]
+    rows = dict(re.findall(r'<b>([^<]+)</b></td>(.*?)</tr>', serving))
+    assert "3.10 → 3.90" in rows["gpu-node-01"] and "1,850 → 2,230" in rows["gpu-node-01"]  # the perf gate's
+    assert "1.00 → 3.42" in rows["gpu-node-02"] and "0 → 812" in rows["gpu-node-02"]  # the server's reads
+    assert "not measured" in rows["gpu-node-04"] or "→" in rows["gpu-node-04"]
+    assert "not measured" in rows["gpu-node-03&lt;b&gt;"]  # neither a gate nor a read: said, not left blank
+    sampled = render_report({**doc, "client_errors": {"requests": 370, "failed": 15, "router": "http://r:1"}})
+    assert "15 of 370 requests failed</span> through http://r:1" in sampled  # the control: a sample is shown
+
+
 def test_write_report_is_atomic(tmp_path, monkeypatch):
     out = tmp_path / "r.html"
     out.write_text("old report")
@@ -381,3 +481,23 @@ def test_headless_chromium_renders_every_host(tmp_path):
     if os.environ.get("DDTREE_OPS_REPORT_SAMPLE"):  # keep a copy to look at (tmp_path is cleaned up)
         shutil.copyfile(shot, os.environ["DDTREE_OPS_REPORT_SAMPLE"])
     print(f"chromium: DOM and screenshot in {time.monotonic() - started:.1f} s")
+
+
+def test_a_deploy_reads_the_servers_accept_length_and_throughput_before_and_after(tmp_path, patchset):
+    from ddtree_ops.fleet.actions import rolling_deploy
+    from ddtree_ops.fleet.rollout import Target
+    from ddtree_ops.fleet.serving_sample import throughput
+    from ddtree_ops.runbook.phases import DeployOptions
+    from ddtree_ops.testing.fake_host import DDTREE_UNIT, DFLASH_UNIT, fake_hosts
+
+    fake = fake_hosts(tmp_path / "h")[0]
+    fake.accept_lengths = {DFLASH_UNIT: 1.0, DDTREE_UNIT: 3.4}
+    res = rolling_deploy([Target("fh1", (fake.host,))], patchset, DeployOptions(reconnect_s=5),
+                         connect=lambda host: fake.session())
+    serving = res.to_dict()["hosts"][0]["serving"]
+    assert serving["before"]["accept_length"] == 1.0 and serving["after"]["accept_length"] == 3.4, serving
+    assert serving["before"]["output_tps"] is None  # the fake server has no /metrics: not a made-up 0
+    assert "1.00 → 3.40" in render_report(res.to_dict())
+    metrics = ('# TYPE sglang:gen_throughput gauge\nsglang:gen_throughput{model_name="m",tp_rank="0"} 812.5\n'
+               'sglang:gen_throughput{model_name="m",tp_rank="1"} 10\nsglang:gen_throughput_other 99\n')
+    assert throughput(metrics) == 822.5 and throughput("# nothing here\n") is None

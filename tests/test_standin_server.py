@@ -401,17 +401,26 @@ def test_generate_exercises_ddtree_payload(spawn, tmp_path):
     for s in (g, b, plain):
         s.wait_status("/health", 200, timeout=30)
     assert "DDTree modules imported: sglang.srt.speculative.ddtree_info" in g.log
+    # Measured once, at start-up, before the server was ready; each request is paced with it.
+    import re
+
+    m = re.search(r"DDTree payload measured at start-up \(budget=12, topk_cap=3, "
+                  r"sampler=tree_speculative_sampling_reference\): accept length ([0-9.]+) greedy, ([0-9.]+) at "
+                  r"temperature 1 \(128 verify steps each", g.log)
+    assert m and g.log.index(m.group(0)) < g.log.index("fired up"), g.log
+    at_0, at_1 = float(m.group(1)), float(m.group(2))
     prompt = "Explain speculative decoding"
     greedy = {"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 40}}
     code, out = g.post("/generate", greedy)
     assert code == 200 and out["meta_info"]["spec_ddtree"] is True
-    assert out["meta_info"]["spec_accept_length"] > 1.5  # the draft follows the greedy chain
+    assert at_0 > 1.5 and out["meta_info"]["spec_accept_length"] == pytest.approx(at_0, rel=0.1)  # greedy chain
     assert out["meta_info"]["completion_tokens"] == 40
     # lossless at temperature 0: the same tokens as plain greedy decoding
     assert out["text"] == plain.post("/generate", greedy)[1]["text"]
     code, out2 = g.post("/generate", {"text": "other", "sampling_params": {
         "temperature": 1.0, "top_p": 0.95, "max_new_tokens": 30}})
     assert code == 200 and out2["meta_info"]["spec_ddtree"] is True
+    assert out2["meta_info"]["spec_accept_length"] == pytest.approx(at_1, rel=0.1) and at_1 < at_0
     avg = g.get("/server_info")[1]["internal_states"][0]["avg_spec_accept_length"]
     m1, m2 = out["meta_info"], out2["meta_info"]
     expected = (m1["completion_tokens"] + m2["completion_tokens"]) / (m1["spec_verify_ct"] + m2["spec_verify_ct"])
@@ -420,7 +429,8 @@ def test_generate_exercises_ddtree_payload(spawn, tmp_path):
     code, out3 = b.post("/generate", greedy)
     assert code == 200 and out3["meta_info"]["spec_accept_length"] == 1.0
     assert out3["text"] == out["text"]
-    assert "DDTree payload error" in b.log and "boom in build" in b.log and "Traceback" in b.log
+    assert "DDTree payload error at start-up" in b.log and "boom in build" in b.log and "Traceback" in b.log
+    assert "DDTree payload measured" not in b.log and b.get("/server_info")[1]["standin_payload_errors"] == 1
 
 
 def _real_sglang_tree() -> Path:

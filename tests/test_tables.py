@@ -86,11 +86,10 @@ def test_every_table_prints_what_hosts_send_literally(capsys):
 def test_the_live_progress_table_prints_what_hosts_send_literally():
     from rich.console import Console
 
-    from ddtree_ops.cli.liveview import LiveProgress
+    from ddtree_ops.cli.liveview import LiveProgress, _Row
 
     p = LiveProgress()
-    p.rows["h1"] = {"state": EVIL, "msg": EVIL + ESC, "t0": None, "t1": None}
-    p.notes.append(EVIL + ESC)
+    p.rows["h1"] = _Row(state=EVIL, msg=EVIL + ESC)
     con = Console(record=True, width=400, force_terminal=True, color_system="truecolor")
     con.print(p._table())
     _printed_literally(con.export_text(clear=False))

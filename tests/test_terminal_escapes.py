@@ -232,8 +232,9 @@ def test_live_view_shows_bidi_and_c1_escaped():
     p = LiveProgress()
     p.state("fh1", "running")
     p.event(Note("fh1", EVIL))
-    p.notes.append(EVIL)
     con = Console(record=True, width=2000, force_terminal=False)
+    p.console = con
+    p.note(EVIL)  # notes print above the table
     con.print(p._table())
     text = con.export_text()
     assert_terminal_safe(text, "live table")

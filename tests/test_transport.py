@@ -20,6 +20,7 @@ from ddtree_ops.host.transport import HostConnection, connect_kwargs_for
 def _host(tmp_path, port: int = 22, timeout: float = 0.5):
     kh = tmp_path / "known_hosts"
     kh.touch()
+    (tmp_path / "id_none").touch()  # the key file must exist here: a missing one is refused before connecting
     doc = {"all": {"hosts": {"h1": {
         "address": "127.0.0.1", "ssh_port": port, "connect_timeout": timeout, "known_hosts": str(kh),
         "identity_file": str(tmp_path / "id_none"), "python": "/opt/v/bin/python",

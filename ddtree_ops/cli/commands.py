@@ -1,14 +1,13 @@
 """The `ddtree-ops` command: parse, call the library, print. Nothing else lives here.
 
 Exit codes (also in the README):
-  0 ok · 2 bad input or preflight refusal (nothing changed) · 3 deploy failed, host rolled back
+  0 ok · 2 bad input, preflight refusal or a declined prompt (nothing changed) · 3 deploy failed, host rolled back
   and healthy · 4 deploy and rollback failed: a person must look · 5 deploy lock held
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from importlib import metadata
 from typing import Optional
@@ -18,19 +17,22 @@ import typer
 from ..config.terminal import terminal_safe
 from ..errors import EXIT_ERROR, DdtreeOpsError, InputError
 from ..host.hooks import NO_HOOKS, Hooks
+from .cmd_meta import register as register_meta
+from .common import confirm as _confirm
 from .common import emit_json as _emit_json
 from .common import guard as _guard
 from .common import interrupted as _interrupted
 from .common import log as _log
+from .common import output_file
 
 EXIT_CODES_HELP = (
-    "Exit codes: 0 ok; 2 bad input or preflight refusal (nothing changed); 3 deploy failed and "
+    "Exit codes: 0 ok; 2 bad input, preflight refusal or a declined prompt (nothing changed); 3 deploy failed and "
     "the host is back on its previous release, healthy; 4 deploy failed and the rollback failed "
     "too (a person must look); 5 deploy lock held by someone else."
 )
 
 app = typer.Typer(help="Deploy the temperature-aware DDTree modules to SGLang hosts. " + EXIT_CODES_HELP,
-                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+                  no_args_is_help=True, add_completion=True, pretty_exceptions_enable=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,9 +167,13 @@ def plan(
     accept_new_host_keys: bool = typer.Option(False, "--accept-new-host-keys"),
     as_json: bool = typer.Option(False, "--json"),
 ):
-    """Per host, what deploy would change (files, unit diff, units to stop/restart). Changes nothing."""
+    """Per host, what deploy would change (files, unit diff, units to stop/restart), and every check deploy
+    makes before changing anything: exit 2 with deploy's refusal, 5 when another run holds the lock. Changes
+    nothing."""
+    from ..fleet.routing import router_for
     from ..host.session import session_to
-    from ..runbook.plan import plan_host
+    from ..runbook.dry_run import dry_run_host, plan_exit_code
+    from ..runbook.options import DeployOptions
     from .tables import print_plan
 
     def body():
@@ -180,12 +186,13 @@ def plan(
         plans, errors = [], []
         for h in hosts:
             try:
-                with session_to(h, accept_new_host_keys=accept_new_host_keys) as session:
-                    plans.append(plan_host(session, ps, force=force, templates_dir=tdir))
+                opts = DeployOptions(force=force, templates_dir=tdir, command="ddtree-ops plan")
+                with session_to(h, accept_new_host_keys=accept_new_host_keys) as session, router_for(h) as router:
+                    plans.append(dry_run_host(session, ps, opts, router))
             except DdtreeOpsError as e:
                 errors.append({"host": h.name, "error": type(e).__name__, "message": str(e), "exit_code": e.exit_code})
+        code = plan_exit_code(plans, [e["exit_code"] for e in errors])
         if as_json:
-            code = max([e["exit_code"] for e in errors] or [2 if any(p.refusals for p in plans) else 0])
             _emit_json({"ok": code == 0, "exit_code": code, "patchset": ps.label, "bundle": b.id if b else None,
                         "bundle_sha256": b.sha256 if b else None,
                         "plans": [p.to_dict() for p in plans], "errors": errors})
@@ -194,20 +201,23 @@ def plan(
                 print_plan(p)
             for e in errors:
                 _log(f"error: {e['message']}")
-        if errors:
-            return max(e["exit_code"] for e in errors)
-        return 2 if any(p.refusals for p in plans) else 0
+            for p in plans:
+                if p.locked:
+                    _log(f"error: {p.locked}")
+        return code
     _guard(body, as_json=as_json)
 
 
-def _print_rollout(res, as_json: bool, extra: dict | None = None, report: str | None = None) -> int:
+def _print_rollout(res, as_json: bool, extra: dict | None = None, report: str | None = None,
+                   context: dict | None = None) -> int:
     """The summary: one JSON document, or a table on stdout (log excerpts after it); and the
-    HTML report when asked for (written whatever the outcome: a failed rollout needs it most)."""
+    HTML report when asked for (written whatever the outcome: a failed rollout needs it most),
+    with `context` (report_context.py: who ran it, from → to, the canary size) at its top."""
     doc = {**res.to_dict(), **(extra or {})}
     if report:
         from .report import write_report
 
-        write_report(report, doc)
+        write_report(report, {**doc, **(context or {})})
         _log(f"report written to {report}")
     if as_json:
         _emit_json(doc)
@@ -219,15 +229,8 @@ def _print_rollout(res, as_json: bool, extra: dict | None = None, report: str | 
 
 
 def _report_path(report: Optional[str]) -> Optional[str]:
-    """--report FILE.html, checked before anything connects: its folder must exist and be writable."""
-    if report is None:
-        return None
-    folder = os.path.dirname(os.path.abspath(report))
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-        raise InputError(f"--report {report}: the folder {folder} does not exist or is not writable")
-    if os.path.isdir(report):
-        raise InputError(f"--report {report}: is a folder; give a file name such as rollout.html")
-    return report
+    """--report FILE.html, checked before anything connects."""
+    return None if report is None else output_file("--report", report, "rollout.html")
 
 
 REPORT_OPT = typer.Option(None, "--report", metavar="FILE.html",
@@ -254,26 +257,30 @@ def _asker(progress):
     return ask
 
 
-def _confirm(yes: bool, question: str) -> None:
-    """Ask only on an interactive terminal without --yes; CI (stdin not a TTY) is never asked."""
-    if not yes and sys.stdin.isatty():
-        if not typer.confirm(terminal_safe(question)):
-            raise typer.Exit(1)
 
 
 def _targets(inventory: str, limit: Optional[str], budget: Optional[int] = None, topk_cap: Optional[int] = None):
     from ..config.inventory import load_inventory, with_overrides
     from ..fleet.rollout import Target, make_targets
+    from ..host.transport import check_identity_file
 
     inv = load_inventory(inventory)
     selected = [with_overrides(h, budget=budget, topk_cap=topk_cap) for h in inv.select(limit)]
     targets, notes = make_targets(inv, selected)
+    for t in targets:  # a key file missing on this machine refuses the rollout before any host is touched
+        for h in t.hosts:
+            check_identity_file(h)
     if budget is not None or topk_cap is not None:  # nodes added to a partly selected server get them too
         targets = [Target(t.name, tuple(with_overrides(h, budget=budget, topk_cap=topk_cap) for h in t.hosts))
                    for t in targets]
     return targets, notes
 
 
+MAX_UNAVAILABLE_OPT = typer.Option(
+    None, "--max-unavailable", metavar="N|P%",
+    help="Targets out of service at once, at most (default: the inventory's max_unavailable, else 1): no batch is "
+         "larger, and behind a router no batch leaves fewer ready workers than its pool less this, nor none "
+         "(unless 100%).")
 ROLLOUT_HELP = ("Targets (hosts; a multi-node server counts as one) run as: --canary N first, then batches of "
                 "--batch N|P% in parallel (at most --forks at once); the rollout stops when the failed targets "
                 "exceed --max-fail P% of those attempted, and an aborted rollout rolls back what it updated "
@@ -296,7 +303,8 @@ def deploy(
     topk_cap: Optional[int] = typer.Option(None, "--topk-cap", help="Candidates per depth (1..budget)."),
     canary: int = typer.Option(1, "--canary", help="Targets deployed first; any failure there aborts the rollout."),
     batch: Optional[str] = typer.Option(None, "--batch", help="Targets per batch after the canary: N or P% "
-                                                                "(default: all the rest at once)."),
+                                                                "(default: --max-unavailable)."),
+    max_unavailable: Optional[str] = MAX_UNAVAILABLE_OPT,
     max_fail: str = typer.Option("0%", "--max-fail", help="Abort when failed targets EXCEED this share of those "
                                                           "attempted (Ansible's max_fail_percentage)."),
     forks: int = typer.Option(10, "--forks", help="Parallel workers (SSH connections) at most."),
@@ -319,38 +327,61 @@ def deploy(
                                          help="A marginal performance verdict passes (otherwise it asks on a "
                                               "terminal and fails without one)."),
     report: Optional[str] = REPORT_OPT,
+    stop_after_canary: bool = typer.Option(False, "--stop-after-canary",
+                                           help="Deploy the canary batch only and leave it on the new release; the "
+                                                "summary prints the rollout id and the `promote` command that "
+                                                "continues it."),
 ):
     from ..fleet.actions import rolling_deploy
+    from ..fleet.notify import rollout_notifier
+    from ..fleet.pool_summary import pool_reader
+    from ..fleet.rollout_id import new_rollout_id
     from ..runbook.phases import DeployOptions
-    from .flag_ranges import check_rollout_flags
+    from .cmd_rollouts import promote_command, say_promote, stopped_after_canary
+    from .flag_ranges import check_rollout_flags, rollout_policy_for
     from .liveview import make_progress
+    from .report_context import deploy_context
 
     def body():
         _report_path(report)
         targets, notes = _targets(inventory, limit, budget, topk_cap)
         # A bad number: exit 2 before connecting.
         check_rollout_flags(len(targets), forks=forks, canary=canary, batch=batch, max_fail=max_fail,
-                            deadline_s=deadline)
+                            deadline_s=deadline, max_unavailable=max_unavailable)
+        policy, bounded = rollout_policy_for(targets, max_unavailable, canary=canary, batch=batch)
+        notes = [*notes, *bounded]
+        if stop_after_canary and canary < 1:
+            raise InputError("--stop-after-canary needs a canary: --canary 1 or more")
         hosts = [h for t in targets for h in t.hosts]
         with _source(patchset, bundle, hosts, expect_id=expect_id, unsigned_patchset=False,
                      allow_unsigned=allow_unsigned) as (ps, b):
-            return deploy_body(ps, b, targets, notes)
+            return deploy_body(ps, b, targets, notes, policy)
 
-    def deploy_body(ps, b, targets, notes):
+    def deploy_body(ps, b, targets, notes, policy):
         _confirm(yes, f"Deploy {ps.label}{' (bundle ' + b.id + ')' if b else ''} to "
                       f"{', '.join(t.name for t in targets)}?")
         opts = DeployOptions(force=force, break_tokens=tuple(break_lock), no_rollback=no_rollback,
                              command=" ".join(["ddtree-ops", *sys.argv[1:]])[:500], deadline_s=deadline,
                              bundle_id=b.id if b else None, templates_dir=str(b.templates_dir) if b else None,
-                             perf_gate=perf_gate, marginal="accept" if accept_marginal else "fail")
-        progress = make_progress()
+                             perf_gate=perf_gate, marginal="accept" if accept_marginal else "fail",
+                             rollout_id=new_rollout_id(), stop_after_canary=stop_after_canary,
+                             overrides={k: v for k, v in (("budget", budget), ("topk_cap", topk_cap)) if v is not None})
+        progress = make_progress(pool_reader(targets))
         if not accept_marginal and sys.stdin.isatty():
             opts.marginal, opts.ask = "ask", _asker(progress)
         res = rolling_deploy(targets, ps, opts, canary=canary, batch=batch, max_fail=max_fail, forks=forks,
                              keep_updated=keep_updated, accept_new_host_keys=accept_new_host_keys,
-                             progress=progress, notes=notes, hooks=_hooks(ctx))
-        return _print_rollout(res, as_json, {"patchset": ps.label, "bundle": b.id if b else None,
-                                             "bundle_sha256": b.sha256 if b else None}, report)
+                             progress=progress, notes=notes, hooks=_hooks(ctx), policy=policy,
+                             milestones=rollout_notifier(targets, "deploy", opts, _warn, patchset=ps.label,
+                                                         bundle=b.id if b else None))
+        promote = stopped_after_canary(res, promote_command(res.rollout_id, inventory, limit,
+                                                            patchset=patchset or DEFAULT_PATCHSET,
+                                                            bundle=bundle, allow_unsigned=allow_unsigned))
+        code = _print_rollout(res, as_json, {"patchset": ps.label, "bundle": b.id if b else None,
+                                             "bundle_sha256": b.sha256 if b else None, **promote}, report,
+                              context=deploy_context(targets, ps.label, b.id if b else None, canary))
+        say_promote(promote, res.rollout_id, as_json)
+        return code
     _guard(body, as_json=as_json)
 
 
@@ -360,7 +391,12 @@ def rollback(
     inventory: str = INVENTORY_OPT,
     limit: Optional[str] = LIMIT_OPT,
     to: Optional[str] = typer.Option(None, "--to", help="A release id, or 'original' for the upstream files."),
-    batch: Optional[str] = typer.Option(None, "--batch", help="Targets per batch: N or P% (default: all at once)."),
+    rollout: Optional[str] = typer.Option(None, "--rollout", metavar="ID",
+                                          help="Undo a whole rollout: each selected host it changed goes back to the "
+                                               "release it ran before it; the others are left alone."),
+    batch: Optional[str] = typer.Option(None, "--batch", help="Targets per batch: N or P% "
+                                                                "(default: --max-unavailable)."),
+    max_unavailable: Optional[str] = MAX_UNAVAILABLE_OPT,
     forks: int = typer.Option(10, "--forks", help="Parallel workers (SSH connections) at most."),
     yes: bool = typer.Option(False, "--yes", "-y"),
     as_json: bool = typer.Option(False, "--json"),
@@ -368,22 +404,45 @@ def rollback(
     accept_new_host_keys: bool = typer.Option(False, "--accept-new-host-keys"),
     report: Optional[str] = REPORT_OPT,
 ):
-    """Back to the previous release (or --to RELEASE|original), with the same restart and health gate,
-    over the same selection as deploy (multi-node servers as a whole)."""
+    """Back to the previous release (or --to RELEASE|original, or what each host ran before --rollout ID), with
+    the same restart and health gate, over the same selection as deploy (multi-node servers as a whole)."""
     from ..fleet.actions import rolling_rollback
+    from ..fleet.notify import rollout_notifier
+    from ..fleet.pool_summary import pool_reader
+    from ..fleet.rollout_id import new_rollout_id
     from ..runbook.phases import DeployOptions
-    from .flag_ranges import check_rollout_flags
+    from ..runbook.rollback import UndoRollout
+    from .cmd_rollouts import undo_targets
+    from .flag_ranges import check_rollout_flags, rollout_policy_for
     from .liveview import make_progress
+    from .report_context import rollback_context
 
     def body():
         _report_path(report)
         targets, notes = _targets(inventory, limit)
-        check_rollout_flags(len(targets), forks=forks, batch=batch)
-        _confirm(yes, f"Roll back {', '.join(t.name for t in targets)} to {to or 'the previous release'}?")
-        opts = DeployOptions(break_tokens=tuple(break_lock), command=" ".join(["ddtree-ops", *sys.argv[1:]])[:500])
-        res = rolling_rollback(targets, to, opts, batch=batch, forks=forks, accept_new_host_keys=accept_new_host_keys,
-                               progress=make_progress(), notes=notes, hooks=_hooks(ctx))
-        return _print_rollout(res, as_json, report=report)
+        check_rollout_flags(len(targets), forks=forks, batch=batch, max_unavailable=max_unavailable)
+        if rollout and to:
+            raise InputError("give either --to or --rollout, not both")
+        target_release = to or "the previous release"
+        if rollout:
+            targets, left = undo_targets(targets, rollout, accept_new_host_keys=accept_new_host_keys,
+                                         hooks=_hooks(ctx), forks=forks)
+            notes, target_release = [*notes, *left], f"what they ran before rollout {rollout}"
+            if not targets:
+                _log("\n".join([*left, f"rollout {rollout}: no selected host is on it any more; nothing to roll back"]))
+                return 0
+        policy, bounded = rollout_policy_for(targets, max_unavailable, batch=batch)
+        notes = [*notes, *bounded]
+        _confirm(yes, f"Roll back {', '.join(t.name for t in targets)} to {target_release}?")
+        opts = DeployOptions(break_tokens=tuple(break_lock), command=" ".join(["ddtree-ops", *sys.argv[1:]])[:500],
+                             rollout_id=new_rollout_id())
+        res = rolling_rollback(targets, UndoRollout(rollout) if rollout else to, opts, batch=batch, forks=forks,
+                               accept_new_host_keys=accept_new_host_keys,
+                               progress=make_progress(pool_reader(targets)), notes=notes, hooks=_hooks(ctx),
+                               policy=policy,
+                               milestones=rollout_notifier(targets, "rollback", opts, _warn))
+        return _print_rollout(res, as_json, report=report,
+                              context=rollback_context(targets, f"{target_release} ({opts.rollout_id})"))
     _guard(body, as_json=as_json)
 
 
@@ -394,17 +453,41 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
     forks: int = typer.Option(10, "--forks", help="Hosts read in parallel at most."),
     accept_new_host_keys: bool = typer.Option(False, "--accept-new-host-keys"),
+    watch: bool = typer.Option(False, "--watch", help="Again every --interval seconds until Ctrl-C (a terminal "
+                                                      "is redrawn; otherwise one block per round)."),
+    interval: float = typer.Option(5.0, "--interval", metavar="S", help="Seconds between --watch rounds."),
+    patchset: Optional[str] = typer.Option(None, "--patchset", "-p",
+                                           help="Also compare each host's patch set with this one (by digest)."),
+    bundle: Optional[str] = typer.Option(None, "--bundle", help="Also compare each host's bundle with this one, and "
+                                                                "its launch flags with the bundle's templates."),
 ):
-    """Per host, read in parallel: reachable (or why not), release and patch set, budget/topk of the active
-    unit, drift, unit states, /health, avg accept length. Exit 0 when every host is reachable, without drift
-    and healthy; 1 otherwise."""
+    """Per host, read in parallel: reachable (or why not), release, rollout and patch set, budget/topk of the
+    active unit, drift (files changed since the release installed them, and each field where a host on a release
+    differs from the inventory: budget, topk, unit, launch flags; patch set or bundle when given), unit states,
+    /health, avg accept length. Exit 0 when every host is reachable, without drift and healthy; 1 otherwise
+    (with --watch: as the last round found them)."""
+    from ..fleet.config_drift import Expected
     from ..fleet.status import collect_status
     from .flag_ranges import check_forks
+    from .watch import Watch, check_interval
 
     def body():
         check_forks(forks)
         hosts = _hosts(inventory, limit)
-        rows = collect_status(hosts, accept_new_host_keys=accept_new_host_keys, forks=forks)
+        if patchset is None and bundle is None:
+            return rounds(hosts, None)
+        with _source(patchset, bundle, hosts) as (ps, b):
+            return rounds(hosts, Expected(ps.label, ps.digest(), b.id if b else None,
+                                          str(b.templates_dir) if b else None))
+
+    def rounds(hosts, expected):
+        if watch:
+            return Watch(check_interval(interval), tty=sys.stdout.isatty() and not as_json,
+                         headed=not as_json).run(lambda: one(hosts, expected))
+        return one(hosts, expected)
+
+    def one(hosts, expected=None):
+        rows = collect_status(hosts, accept_new_host_keys=accept_new_host_keys, forks=forks, expected=expected)
         code = 0 if all(r["ok"] for r in rows) else EXIT_ERROR
         if as_json:
             _emit_json({"ok": code == 0, "exit_code": code, "hosts": rows})
@@ -469,9 +552,27 @@ def history(
     _guard(body, as_json=as_json)
 
 
+def _warn(msg: str) -> None:
+    _log(f"warning: {msg}")
+
+
+def _register_commands() -> None:
+    from . import cmd_diff, cmd_logs, cmd_metrics, cmd_rollouts
+
+    for module in (cmd_logs, cmd_metrics, cmd_diff):
+        module.register(app)
+    cmd_rollouts.register(app, cmd_rollouts.CommandKit(_hosts, _targets, _source, _report_path, _print_rollout, _warn))
+
+
+_register_commands()
+
+
 def _hooks(ctx: typer.Context) -> Hooks:
     """The test hooks `main` was given (none for an operator's run)."""
     return ctx.obj if isinstance(ctx.obj, Hooks) else NO_HOOKS
+
+
+register_meta(app)  # --version, `completion`, the defaults file (cmd_meta.py); listed last
 
 
 def main(hooks: Hooks = NO_HOOKS) -> None:

@@ -8,13 +8,14 @@ log. JSON needs nothing more: `json.dumps` writes every control and non-ASCII ch
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any, Callable
 
 import typer
 
 from ..config.terminal import terminal_safe
-from ..errors import DdtreeOpsError
+from ..errors import DdtreeOpsError, Declined, InputError
 from ..runbook.describe import interrupt_label
 
 
@@ -37,14 +38,39 @@ def guard(fn: Callable[[], int | None], *, as_json: bool = False) -> None:
     except DdtreeOpsError as e:
         if as_json:
             emit_json({"ok": False, "error": type(e).__name__, "message": str(e), "exit_code": e.exit_code})
-        log(f"error: {e}")
+        log(str(e) if isinstance(e, Declined) else f"error: {e}")  # a "no" is the operator's choice
         raise typer.Exit(e.exit_code) from None
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM/SIGHUP (signals.py): before any change
         raise typer.Exit(interrupted(e)) from None
     raise typer.Exit(code)
 
 
+def confirm(yes: bool, question: str) -> None:
+    """Ask only on an interactive terminal without --yes; CI (stdin not a TTY) is never asked.
+    No, or the end of input, is `Declined` (exit 2, "aborted: nothing changed"): a script that
+    reads the exit code must not mistake the operator's no for a failure on a host (exit 1)."""
+    if yes or not sys.stdin.isatty():
+        return
+    try:
+        agreed = typer.confirm(terminal_safe(question), default=False, err=True)
+    except (typer.Abort, EOFError):
+        agreed = False
+    if not agreed:
+        raise Declined("aborted: nothing changed")
+
+
 def interrupted(e: KeyboardInterrupt) -> int:
     """Say which interrupt ended the command; its exit code (128 + the signal's number)."""
     log(f"interrupted ({interrupt_label(e)})")
     return getattr(e, "exit_code", 130)
+
+
+def output_file(flag: str, path: str, example: str) -> str:
+    """A file the command will write (`--report`, `--out`), checked before anything connects: its
+    folder exists and is writable, and it is not a folder. Exit 2 naming the flag."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise InputError(f"{flag} {path}: the folder {folder} does not exist or is not writable")
+    if os.path.isdir(path):
+        raise InputError(f"{flag} {path}: is a folder; give a file name such as {example}")
+    return path

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config.schema import Invalid, int_range, number_range
+from ..config.schema import CountOrShare, Invalid, count_or_share, int_range, number_range
 from ..errors import InputError
 from ..fleet.rollout import parse_percent, plan_batches
 
@@ -38,12 +38,32 @@ def check_deadline(deadline_s: float | None) -> float | None:
     return _checked("--deadline", number_range(1, DEADLINE_MAX_S), deadline_s)
 
 
+def check_max_unavailable(value: str | None) -> CountOrShare | None:
+    """--max-unavailable N|P%: None keeps the inventory's (policy.py)."""
+    if value is None:
+        return None
+    return _checked("--max-unavailable", count_or_share(), value)
+
+
 def check_rollout_flags(targets: int, *, forks: int, canary: int = 0, batch: str | None = None,
-                        max_fail: str | None = None, deadline_s: float | None = None) -> None:
+                        max_fail: str | None = None, deadline_s: float | None = None,
+                        max_unavailable: str | None = None) -> None:
     """Every number a rollout takes: InputError for the first one out of range."""
     check_forks(forks)
+    check_max_unavailable(max_unavailable)
     _checked("--canary", int_range(0, CANARY_MAX), canary)
     if max_fail is not None:
         parse_percent(max_fail)
     plan_batches(targets, canary=canary, batch=batch)
     check_deadline(deadline_s)
+
+
+def rollout_policy_for(targets: list, flag: str | None, *, canary: int = 0, batch: str | None = None):
+    """The rollout policy (fleet/policy.py) for the selection, from --max-unavailable or the
+    inventory, and its notes: (policy, notes). InputError (exit 2) for a flag out of range or a
+    canary larger than max_unavailable, before anything connects."""
+    from ..fleet.policy import rollout_policy
+    from ..fleet.rollout import batch_size
+
+    size = batch_size(batch, len(targets)) if batch is not None else None
+    return rollout_policy(targets, check_max_unavailable(flag), canary=canary, batch_size=size, batch_flag=batch)

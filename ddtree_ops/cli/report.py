@@ -20,11 +20,11 @@ from __future__ import annotations
 import html
 import math
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from ..config.atomic_file import write_atomically
 from ..config.redaction import scrub
 from ..config.terminal import terminal_safe
 from ..host.heal_note import HEAL_STEP, healed_notes
@@ -128,6 +128,25 @@ def step_group(name: str) -> tuple[str, str]:
 
 def step_colour(name: str) -> str:
     return step_group(name)[1]
+
+
+# The `rollback` command's own steps, on a host it brought back healthy, are its success, not a
+# failure: they take the colour of what they do. A deploy's rollback (the deploy failed) and a
+# rollback that did not end healthy keep the rollback's red.
+_UNDONE_GROUPS = {"rollback": "prepare", "restore": "prepare", "rollback: restarted": "start & load",
+                  "rollback: waiting": "start & load", "rollback: healthy": "gates", "rolled back": "commit"}
+_HEALTHY_AGAIN = {"rolled_back", "interrupted"}
+
+
+def host_step_group(name: str, host: dict, action: str = "deploy") -> tuple[str, str]:
+    """(group, colour) of a step of `host`: as `step_group`, except in a `rollback` run the steps
+    of a host it brought back healthy (rolled_back; or interrupted, exit 3, having run to its end)."""
+    group = step_group(name)
+    healthy = _clean(host.get("outcome")) in _HEALTHY_AGAIN and host.get("exit_code") in (0, 3)
+    if action != "rollback" or group[0] != "rollback" or not healthy:
+        return group
+    target = _UNDONE_GROUPS.get(name, "start & load" if name.startswith("rollback: ") else "prepare")
+    return target, next(c for g, c, _ in PHASE_GROUPS if g == target)
 
 
 def _outcome_class(action: str, outcome: str) -> str:
@@ -237,12 +256,40 @@ footer { margin-top: 32px; font-size: 12px; color: #6b7580; }
 CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
 
 
+def _canary_count(doc: dict) -> int:
+    """Targets in the canary: the document's "canary" (the CLI writes it), else the CLI's default
+    for the action (deploy 1, rollback none)."""
+    n = doc.get("canary")
+    if isinstance(n, int) and not isinstance(n, bool) and n >= 0:
+        return n
+    return 0 if _clean(doc.get("action")) == "rollback" else 1
+
+
+def batch_labels(batches: list[list[Any]], canary: int) -> list[str]:
+    """The batches as the CLI names them while it runs (fleet/rollout.py): a batch holding the
+    first `canary` targets is "canary", the others "batch 1", "batch 2", ... counted after it."""
+    first = {_clean(n) for n in [n for b in batches for n in b][:canary]}
+    labels, k = [], 0
+    for b in batches:
+        if b and _clean(b[0]) in first:
+            labels.append("canary")
+        else:
+            k += 1
+            labels.append(f"batch {k}")
+    return labels
+
+
+# exit code → (badge text, class): what the run left, as the README's exit codes say it
+_RESULTS = {0: ("OK", "good"), 2: ("REFUSED: nothing changed", "warn"), 3: ("ROLLED BACK: healthy", "warn"),
+            4: ("A PERSON MUST LOOK", "bad"), 5: ("LOCKED", "warn")}
+
+
 def _header(doc: dict, title: str, generated_at: float | None, run_start: float | None) -> str:
-    ok = bool(doc.get("ok"))
     action = _clean(doc.get("action") or "rollout")
-    status = (f'<span class="badge {"good" if ok else "bad"}">{"OK" if ok else "FAILED"}</span> '
-              f'exit code {_t(doc.get("exit_code"))}')
-    rows = [("action", _t(action)), ("result", status)]
+    code = doc.get("exit_code")
+    text, cls = _RESULTS.get(code, ("FAILED", "bad")) if isinstance(code, int) else ("FAILED", "bad")
+    status = f'<span class="badge {cls}">{_t(text)}</span> exit code {_t(code)}'
+    rows = [("action", _t(action)), ("result", status), *_first_rows(doc)]
     for key in ("patchset", "bundle"):
         if doc.get(key) not in (None, "", {}):
             rows.append((key, _t(_plain(doc[key]))))
@@ -251,13 +298,10 @@ def _header(doc: dict, title: str, generated_at: float | None, run_start: float 
         rows.append(("started", _t(_utc(run_start))))
     hosts = doc.get("hosts") or []
     rows.append(("hosts", str(len(hosts))))
-    batches = doc.get("batches") or []
+    batches = [b if isinstance(b, list) else [b] for b in doc.get("batches") or []]
     if batches:
-        parts = []
-        for i, b in enumerate(batches):
-            names = ", ".join(_clean(n) for n in (b if isinstance(b, list) else [b]))
-            label = "canary" if i == 0 and len(batches) > 1 else f"batch {i + 1}"
-            parts.append(f"<b>{_t(label)}</b>: {_t(names)}")
+        parts = [f"<b>{_t(label)}</b>: {_t(', '.join(_clean(n) for n in b))}"
+                 for label, b in zip(batch_labels(batches, _canary_count(doc)), batches, strict=True)]
         rows.append(("batches", "<br>".join(parts)))
     if doc.get("reverted"):
         rows.append(("reverted", _t(", ".join(_clean(r) for r in doc["reverted"]))))
@@ -272,6 +316,73 @@ def _header(doc: dict, title: str, generated_at: float | None, run_start: float 
         reason = doc.get("abort_reason") or "no reason recorded"
         abort = f'<div class="abort"><b>Rollout aborted:</b> {_t(reason, secret=True)}</div>'
     return f'<header><h1>{_t(title)}</h1>{abort}<table class="meta">{meta}</table></header>'
+
+
+def _exit_cell(outcome: str, code: Any) -> str:
+    """A host the rollout never started has no exit code of its own: "not run" (with the code
+    when an interrupt made it count, as exit 1), never a bare 0 that reads as a success."""
+    if outcome != "skipped":
+        return _t(code)
+    return "not run" if code in (0, None) else f"not run ({_t(code)})"
+
+
+def _first_rows(doc: dict) -> list[tuple[str, str]]:
+    """What an operator asks first: what changed into what, who ran it, what clients saw."""
+    rows = []
+    change = doc.get("change") if isinstance(doc.get("change"), dict) else {}
+    if change.get("to"):
+        rows.append(("change", f'{_t(change.get("from") or "—")} <b>→</b> {_t(change["to"])}'))
+    if doc.get("ran_by"):
+        rows.append(("run by", _t(doc["ran_by"])))
+    rows.append(("client errors", _client_errors(doc.get("client_errors"))))
+    return rows
+
+
+def _client_errors(sample: Any) -> str:
+    """Requests clients sent through the router during the run and how many failed, when a
+    sample was taken; otherwise said plainly: nothing in a rollout measures it on its own."""
+    if not isinstance(sample, dict) or _num(sample.get("requests")) is None:
+        return '<span class="muted">not measured (no traffic sample through the router in this run)</span>'
+    sent, failed = int(_num(sample["requests"]) or 0), int(_num(sample.get("failed")) or 0)
+    cls = "good" if failed == 0 else "bad"
+    via = f' through {_t(sample["router"])}' if sample.get("router") else ""
+    return f'<span class="{cls}">{failed} of {sent} requests failed</span>{via}'
+
+
+SERVING_METRICS = (("accept_length", "accept length", "{:.2f}"), ("output_tps", "output tok/s", "{:,.0f}"))
+
+
+def serving_before_after(h: dict) -> tuple[dict, dict, str] | None:
+    """(before, after, where from) for a host: the server's own figures read before the change and
+    after it (`serving`, cheap reads of /server_info and /metrics), or the performance gate's
+    baseline and canary; None when neither was taken."""
+    serving = h.get("serving") if isinstance(h.get("serving"), dict) else None
+    if serving and (isinstance(serving.get("before"), dict) or isinstance(serving.get("after"), dict)):
+        return serving.get("before") or {}, serving.get("after") or {}, _clean(serving.get("source") or "server")
+    gate = h.get("perf_gate") if isinstance(h.get("perf_gate"), dict) else None
+    if gate and (isinstance(gate.get("baseline"), dict) or isinstance(gate.get("canary"), dict)):
+        return gate.get("baseline") or gate.get("peers") or {}, gate.get("canary") or {}, "perf gate"
+    return None
+
+
+def _serving_section(hosts: list[dict]) -> str:
+    def cell(before: dict, after: dict, key: str, fmt: str) -> str:
+        b, a = _num(before.get(key)), _num(after.get(key))
+        shown = [fmt.format(v) if v is not None else "—" for v in (b, a)]
+        return f'<td class="num">{_t(shown[0])} → {_t(shown[1])}</td>'
+    rows = []
+    for h in hosts:
+        found = serving_before_after(h)
+        name = f'<td class="nowrap"><b>{_t(h.get("host"))}</b></td>'
+        if found is None:
+            rows.append(f'<tr class="serving-row">{name}<td colspan="3" class="muted">not measured</td></tr>')
+            continue
+        before, after, source = found
+        rows.append(f'<tr class="serving-row">{name}'
+                    + "".join(cell(before, after, k, fmt) for k, _, fmt in SERVING_METRICS)
+                    + f"<td>{_t(source)}</td></tr>")
+    head = "<tr><th>host</th>" + "".join(f"<th>{label} before → after</th>" for _, label, _ in SERVING_METRICS)
+    return f'<h2>Serving before → after</h2><table class="serving">{head}<th>from</th></tr>{"".join(rows)}</table>'
 
 
 def _summary(doc: dict) -> str:
@@ -290,7 +401,8 @@ def _summary(doc: dict) -> str:
         rows.append(
             f'<tr class="host-row" data-host="{_t(h.get("host"))}"><td class="nowrap"><b>{_t(h.get("host"))}</b></td>'
             f'<td class="{_outcome_class(action, outcome)}">{_t(outcome)}</td>'
-            f'<td class="num">{_t(h.get("exit_code"))}</td><td class="nowrap">{_t(h.get("release") or "—")}</td>'
+            f'<td class="num">{_exit_cell(outcome, h.get("exit_code"))}</td>'
+            f'<td class="nowrap">{_t(h.get("release") or "—")}</td>'
             f'<td class="bad">{_t(h.get("failed_step") or "")}</td>'
             f'<td class="num">{_t(_seconds(h.get("seconds")))}</td><td>{gate_cell}</td>'
             f'<td class="msg">{_t(msg, secret=True)}</td></tr>')
@@ -303,7 +415,7 @@ def _summary(doc: dict) -> str:
 TL_WIDTH, TL_LABEL, TL_ROW, TL_BAR, TL_TOP = 1200, 220, 30, 20, 26
 
 
-def timeline_svg(hosts: list[dict]) -> str:
+def timeline_svg(hosts: list[dict], action: str = "deploy") -> str:
     """A Gantt chart: one row per host, one bar per phase, x = seconds from the run's start (the
     earliest step of any host), so batches show as rows starting later. Bar widths are exactly
     proportional to durations (`data-seconds`); a phase too short to see also gets a tick."""
@@ -331,12 +443,12 @@ def timeline_svg(hosts: list[dict]) -> str:
     out.append(f'<text x="{TL_LABEL}" y="{height - 6}" font-size="11" fill="#55606b">seconds from the '
                f'run\'s start ({_t(_utc(start))})</text>')
     for row, h in enumerate(hosts):
-        out.append(_timeline_row(h, row, start, scale))
+        out.append(_timeline_row(h, row, start, scale, action))
     out.append("</svg>")
     return "".join(out)
 
 
-def _timeline_row(h: dict, row: int, start: float, scale: float) -> str:
+def _timeline_row(h: dict, row: int, start: float, scale: float, action: str) -> str:
     name = _clean(h.get("host"))
     y = TL_TOP + row * TL_ROW
     by = y + (TL_ROW - TL_BAR) / 2
@@ -357,7 +469,7 @@ def _timeline_row(h: dict, row: int, start: float, scale: float) -> str:
         x = TL_LABEL + (p["start"] - start) * scale
         secs = p["end"] - p["start"]
         w = secs * scale
-        colour = step_colour(p["step"])
+        colour = host_step_group(p["step"], h, action)[1]
         tip = f'{p["step"]}: {secs:.1f} s' + (f' — {_clean(p["detail"])}' if p["detail"] else "")
         failed = i == failed_at
         stroke = f' stroke="{FAIL_COLOUR}" stroke-width="2.5"' if failed else ' stroke="#fff" stroke-width="0.5"'
@@ -385,12 +497,12 @@ def _timeline_row(h: dict, row: int, start: float, scale: float) -> str:
     return "".join(parts)
 
 
-def _legend(hosts: list[dict]) -> str:
+def _legend(hosts: list[dict], action: str = "deploy") -> str:
     """Only the groups that appear, each with the step names it stands for in this run."""
     seen: dict[str, list[str]] = {}
     for h in hosts:
         for p in host_phases(h):
-            group = step_group(p["step"])[0]
+            group = host_step_group(p["step"], h, action)[0]
             names = seen.setdefault(group, [])
             if p["step"] not in names:
                 names.append(p["step"])
@@ -531,8 +643,8 @@ def render_report(doc: dict, *, title: str | None = None, generated_at: float | 
     run_start = _run_start(hosts)
     gated = [h for h in hosts if isinstance(h.get("perf_gate"), dict)]
     failed = [h for h in hosts if _failed(action, h)]
-    body = [_header(doc, title, generated_at, run_start), _summary({**doc, "hosts": hosts}),
-            "<h2>Timeline</h2>", _legend(hosts), timeline_svg(hosts)]
+    body = [_header(doc, title, generated_at, run_start), _summary({**doc, "hosts": hosts}), _serving_section(hosts),
+            "<h2>Timeline</h2>", _legend(hosts, action), timeline_svg(hosts, action)]
     if gated:
         body.append("<h2>Performance gate</h2>")
         body.extend(_gate_section(h) for h in gated)
@@ -556,20 +668,7 @@ def write_report(path: str | os.PathLike, doc: dict, *, title: str | None = None
     or a crash never sees half a report, and an older report stays whole until replaced."""
     path = Path(path)
     page = render_report(doc, title=title, generated_at=time.time() if generated_at is None else generated_at)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(page)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the report from the people it is for
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    write_atomically(path, page)
     return path
 
 

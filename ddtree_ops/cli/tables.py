@@ -23,9 +23,11 @@ from rich.text import Text
 
 from ..config.redaction import scrub_lines
 from ..config.terminal import terminal_safe
+from ..fleet.config_drift import FieldDrift
 from ..fleet.rollout import RolloutResult
 from ..host.heal_note import heal_note, healed_notes, unreported_heal
 from ..runbook.plan import HostPlan
+from .messages import one_line
 
 # Wide enough that Rich never wraps or cuts a cell; a table is only as wide as its content.
 _UNLIMITED = 100_000
@@ -79,13 +81,15 @@ def print_plan(p: HostPlan) -> None:
     con.print(t)
     print(block(p.unit_diff or f"unit {p.unit_path}: unchanged"))
     print(clean(f"stop: {', '.join(p.stop_units) or 'nothing'}; restart: {p.restart_unit}"))
+    for c in p.checked:
+        con.print(Text.assemble("  ", ("checked", "green"), ": ", literal(c)))
     for r in p.refusals:
         con.print(Text.assemble("  ", ("refused", "red"), ": ", literal(r)))
 
 
 def summary_rows(res: RolloutResult) -> list[dict[str, Any]]:
     return [{"host": r.host, "outcome": str(r.outcome), "release": r.release, "failed_step": r.failed_step,
-             "seconds": round(r.seconds, 1), "message": (r.message or "").splitlines()[0] if r.message else ""}
+             "seconds": round(r.seconds, 1), "message": one_line(r.message)}  # a refusal's reasons: after line 1
             for r in res.results]
 
 
@@ -118,12 +122,13 @@ def print_gate(host: str, gate: dict[str, Any]) -> None:
 def print_rollout(res: RolloutResult) -> None:
     """The summary table, the performance gates, then the last log lines of each host that has some."""
     state = f"ABORTED ({res.abort_reason})" if res.aborted else "done"
-    title = f"{res.action}: {state} in {res.seconds:.1f} s"
+    rollout = f" {res.rollout_id}" if res.rollout_id else ""
+    title = f"{res.action}{rollout}: {state} in {res.seconds:.1f} s"
     t = Table("host", "outcome", "release", "failed step", "seconds", "perf gate", "message", title=literal(title),
               title_justify="left")
     for r, row in zip(res.results, summary_rows(res), strict=True):
         t.add_row(*map(literal, (row["host"], row["outcome"], row["release"] or "-", row["failed_step"] or "-",
-                                 f"{row['seconds']:.1f}", gate_brief(r.perf_gate), fit(row["message"], 80))))
+                                 f"{row['seconds']:.1f}", gate_brief(r.perf_gate), fit(row["message"], 160))))
     console().print(t)
     for r in res.results:
         if r.perf_gate:
@@ -135,7 +140,8 @@ def print_rollout(res: RolloutResult) -> None:
         if r.log:
             print(f"--- last log lines of {clean(r.host)} ---")
             print(block("\n".join(scrub_lines(r.log[-15:]))))  # scrubbed when read; masked again here
-    print(f"exit code {res.exit_code}")
+    print(clean(f"rollout {res.rollout_id}: exit code {res.exit_code}" if res.rollout_id
+                else f"exit code {res.exit_code}"))
 
 
 def gate_brief(gate: dict[str, Any] | None) -> str:
@@ -152,15 +158,16 @@ def gate_brief(gate: dict[str, Any] | None) -> str:
 
 
 def print_status(rows: list[dict[str, Any]]) -> None:
-    t = Table("host", "reachable", "release", "patch set", "budget", "topk", "drift", "active unit", "/health",
-              "accept len", "perf gate")
+    t = Table("host", "reachable", "release", "rollout", "patch set", "budget", "topk", "drift", "active unit",
+              "/health", "accept len", "perf gate")
     for r in rows:
         acc = r.get("avg_accept_length")
         t.add_row(*map(literal, (
             r["host"] + (f" ({r['server']} rank {r['node_rank']})" if r.get("server") else ""),
             "yes" if r["reachable"] else f"NO: {fit(r['reason'] or '', 60)}",
-            r["release"] or "-", r["patchset"] or "-", str(r["budget"] or "-"), str(r["topk_cap"] or "-"),
-            ", ".join(d["path"].rsplit("/", 1)[-1] for d in r["drift"]) or "none",
+            r["release"] or "-", r.get("rollout") or "-", r["patchset"] or "-", str(r["budget"] or "-"),
+            str(r["topk_cap"] or "-"),
+            drift_cell(r),
             r["active_unit"] or "none", str(r["health"]), f"{acc:.2f}" if acc is not None else "-",
             gate_brief(r.get("perf_gate")))))
     console().print(t)
@@ -172,11 +179,19 @@ def print_status(rows: list[dict[str, Any]]) -> None:
             print(clean(f"{r['host']}: {heal_note(heal)}"))
 
 
+def drift_cell(row: dict[str, Any]) -> str:
+    """Files changed behind the tool's back, then each field that differs from the inventory."""
+    files = [d["path"].rsplit("/", 1)[-1] for d in row["drift"]]
+    fields = [FieldDrift(d["field"], d["inventory"], d["host"]).brief() for d in row.get("config_drift") or []]
+    return "; ".join([*files, *fields]) or "none"
+
+
 def print_history(hist: dict[str, Any]) -> None:
-    t = Table("", "release", "created (UTC)", "patch set", "budget", "topk", "outcome", "perf gate")
+    t = Table("", "release", "created (UTC)", "rollout", "patch set", "budget", "topk", "outcome", "perf gate")
     for r in hist["releases"]:
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r.get("created") or 0))
-        t.add_row(*map(literal, ("*" if r["id"] == hist["current"] else "", r["id"], created, r.get("patchset"),
+        t.add_row(*map(literal, ("*" if r["id"] == hist["current"] else "", r["id"], created, r.get("rollout") or "-",
+                                 r.get("patchset"),
                                  r.get("budget"), r.get("topk_cap"), r.get("outcome"), gate_brief(r.get("perf_gate")))))
     console().print(t)
     print(clean(f"current: {hist['current'] or 'original upstream files'}"))

@@ -1,4 +1,4 @@
-"""Inventory: Ansible-style YAML (hosts, groups with children, vars) → validated `Host` values.
+"""Inventory: an Ansible inventory (YAML or INI, with group_vars/ and host_vars/) → validated `Host` values.
 
 Layout, as an Ansible user writes it::
 
@@ -9,16 +9,18 @@ Layout, as an Ansible user writes it::
           vars: {...}          # group vars (a child group overrides its parent)
           hosts:
             ct200:
-              address: ...     # host vars, highest precedence
+              ansible_host: ...  # host vars, highest precedence (or `address:`)
 
-Precedence is host > child group > parent group > all. Every value is checked here, at the
+The files are read as Ansible reads them (inventory_file.py, ansible_yaml.py, ansible_ini.py,
+host_vars.py) into one graph (inventory_graph.py); each host's vars apply in Ansible's order
+(_layers): host > child group > parent group > all, and the vars folders over the file's own vars.
+Ansible's connection vars stand for our keys (ansible_vars.py). Every value is checked here, at the
 edge, so that nothing later has to wonder whether a path contains a newline or a budget is
 `16; rm -rf /`. Errors name the file, the host and the field, and say what is allowed.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import os
 import posixpath
 import re
@@ -27,13 +29,20 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ..errors import InputError, InventoryError, shown
+from .ansible_vars import ANSIBLE_PREFIX, fold_ansible_vars
+from .ansible_yaml import graph_from_yaml
+from .host_vars import FolderVars, VarsFile, load_folder_vars
+from .inventory_file import read_graph
+from .inventory_graph import ALL, InventoryGraph
+from .limit_patterns import HostIndex, select_names
 from .lock_settings import LOCK_LEASE_S, LOCK_RENEW_S, lease_duration, renew_interval
+from .notify_settings import Webhook, notify_field
 from .perfgate_settings import PerfGateSettings, parse_perf_gate
 from .router_settings import RouterSettings, normalize_url, router_field
 from .schema import (
-    NAME_RE,
     OMIT,
     Check,
+    CountOrShare,
     Field,
     Invalid,
     abs_path,
@@ -41,6 +50,7 @@ from .schema import (
     apply,
     boolean,
     check_int,
+    count_or_share,
     env_mapping,
     env_name,
     host_address,
@@ -62,7 +72,6 @@ from .schema import (
     user_name,
     yaml_file,
 )
-from .yamlfile import YamlProblem, load_yaml
 
 BUDGET_MAX = 1024
 # A root-owned system interpreter on every supported distribution (Python 3.8 or newer there).
@@ -152,6 +161,7 @@ class Host:
     bundle_signers: BundleSigners | None = None  # None: bundle signatures are not checked
     router: RouterSettings | None = None  # the request router in front of the host; None: none
     perf_gate: PerfGateSettings = PerfGateSettings()  # the canary's speed gate; disabled unless set
+    notify: tuple[Webhook, ...] = ()  # webhooks told of a rollout's start, canary, abort, end (notify_settings.py)
     # The deploy lock is a lease (config/lock_settings.py): renewed this often, lost after this long.
     lock_renew_s: float = LOCK_RENEW_S
     lock_lease_s: float = LOCK_LEASE_S
@@ -159,6 +169,8 @@ class Host:
     # The interpreter the agent (root) runs on: the system's, never the venv's, which whoever can
     # write the venv controls (host/agent/interpreter.py refuses one that others can write).
     agent_python: str = AGENT_PYTHON
+    # Targets a rollout may take out of service at once (fleet/policy.py); None: the default, 1.
+    max_unavailable: CountOrShare | None = None
 
     @property
     def multinode(self) -> bool:
@@ -184,34 +196,18 @@ class Host:
 class Inventory:
     path: str
     hosts: dict[str, Host]
-    groups: dict[str, tuple[str, ...]]  # group → member host names (children included)
+    # group → member host names (its own, then its children's), `all` and `ungrouped` included
+    groups: dict[str, tuple[str, ...]]
 
     def select(self, limit: str | None) -> list[Host]:
-        """Hosts matching `--limit`: comma-separated host names, group names or globs.
+        """Hosts matching `--limit`, an Ansible host pattern (limit_patterns.py), in inventory order.
 
         A pattern that matches nothing is an error: a typo must not silently deploy nowhere.
         """
         if not limit:
             return list(self.hosts.values())
-        chosen: dict[str, Host] = {}
-        for pattern in [p.strip() for p in limit.split(",") if p.strip()]:
-            matched = False
-            for group, members in self.groups.items():
-                if fnmatch.fnmatchcase(group, pattern):
-                    matched = True
-                    for m in members:
-                        chosen[m] = self.hosts[m]
-            for name, host in self.hosts.items():
-                if fnmatch.fnmatchcase(name, pattern):
-                    matched = True
-                    chosen[name] = host
-            if not matched:
-                raise InputError(
-                    f"{self.path}: --limit pattern {pattern!r} matches no host or group "
-                    f"(hosts: {', '.join(self.hosts) or 'none'}; groups: {', '.join(self.groups) or 'none'})"
-                )
-        # Keep inventory order so rollouts are predictable.
-        return [h for n, h in self.hosts.items() if n in chosen]
+        names = select_names(limit, HostIndex(hosts=tuple(self.hosts), groups=self.groups, where=self.path))
+        return [self.hosts[n] for n in names]
 
     def servers(self) -> dict[str, tuple[str, ...]]:
         """Multi-node servers: group name → member host names, rank 0 first."""
@@ -377,7 +373,9 @@ HOST_FIELDS: tuple[Field, ...] = (
     Field("aliases", address_list(), ()),
     # The request router (smg) in front of the host: router_settings.py; its worker defaults to base_url.
     Field("router", router_field("base_url"), None),
+    Field("max_unavailable", count_or_share(), None),  # a fleet setting: all or group vars (fleet/policy.py)
     Field("perf_gate", None),  # parse_perf_gate, after the table (it reads a file beside the inventory)
+    Field("notify", notify_field(), ()),
     # A multi-node server: validated across its members by _resolve_servers.
     Field("multinode", None),
     Field("node_rank", None),
@@ -393,124 +391,106 @@ _MERGED = ("health", "router", "perf_gate")
 
 
 def load_inventory(path: str | os.PathLike) -> Inventory:
-    """Read and validate an inventory file. Raises InventoryError naming file/host/field."""
-    p = Path(path)
-    fname = str(p)
-    try:
-        text = p.read_bytes()
-    except FileNotFoundError:
-        raise InventoryError(fname, None, None, "file not found") from None
-    except OSError as e:
-        raise InventoryError(fname, None, None, f"cannot read: {e.strerror}") from None
-    try:
-        doc = load_yaml(text)
-    except YamlProblem as e:
-        raise InventoryError(fname, None, None, str(e)) from None
-    return parse_inventory(doc, fname)
-
-
-_QUOTE_NAME = "quote it (YAML reads unquoted yes/no/on/off/true/false as booleans and 010 as the number 8)"
+    """Read and validate an inventory file (YAML or INI) with the group_vars/ and host_vars/
+    folders beside it. Raises InventoryError naming file/host/field."""
+    graph = read_graph(Path(path))
+    return build_inventory(graph, load_folder_vars(graph.fname, graph.groups, graph.host_vars))
 
 
 def parse_inventory(doc: Any, fname: str = "<inventory>") -> Inventory:
-    if not isinstance(doc, dict) or "all" not in doc or not isinstance(doc["all"], dict):
-        raise InventoryError(fname, None, None, "the top level must be a mapping with the group 'all'")
-    if set(doc) != {"all"}:
-        extra = ", ".join(sorted(str(k) for k in set(doc) - {"all"}))
-        raise InventoryError(fname, None, None, f"unexpected top-level keys {extra}: put groups under all.children")
+    """An inventory from a YAML document already read (no vars folders)."""
+    return build_inventory(graph_from_yaml(doc, fname), FolderVars())
 
-    host_chain: dict[str, list[tuple[str, dict]]] = {}  # host → [(group, vars) from all down to its group]
-    host_vars: dict[str, dict] = {}
-    groups: dict[str, list[str]] = {}
 
-    def walk(gname: str, gdef: Any, chain: list[tuple[str, dict]], seen: tuple[str, ...]) -> list[str]:
-        if gdef is None:
-            gdef = {}
-        if not isinstance(gdef, dict):
-            raise InventoryError(fname, None, f"group {gname}", "a group must be a mapping of hosts/vars/children")
-        bad = set(gdef) - {"hosts", "vars", "children"}
-        if bad:
-            raise InventoryError(
-                fname, None, f"group {gname}",
-                f"unknown keys {', '.join(sorted(map(str, bad)))}; a group has only hosts, vars and children",
-            )
-        if gname in seen:
-            raise InventoryError(fname, None, f"group {gname}", "groups form a cycle")
-        gvars = gdef.get("vars") or {}
-        if not isinstance(gvars, dict):
-            raise InventoryError(fname, None, f"group {gname}.vars", "vars must be a mapping")
-        chain = chain + [(gname, gvars)]
-        members: list[str] = []
-        hosts = gdef.get("hosts") or {}
-        if not isinstance(hosts, dict):
-            raise InventoryError(fname, None, f"group {gname}.hosts", "hosts must be a mapping of name → vars")
-        for hname, hv in hosts.items():
-            if not isinstance(hname, str):  # `yes:` is True, `010:` is 8
-                raise InventoryError(fname, str(hname), None, f"a host name must be a string, got {shown(hname)}: "
-                                                              f"{_QUOTE_NAME}")
-            if not NAME_RE.match(hname):
-                raise InventoryError(fname, hname, None, "host names use letters, digits, '_', '.', '-' (max 64)")
-            hv = hv or {}
-            if not isinstance(hv, dict):
-                raise InventoryError(fname, hname, None, "host vars must be a mapping")
-            if hname in host_vars and host_vars[hname] != hv and hv:
-                raise InventoryError(fname, hname, None, "host defined twice with different vars")
-            if hname not in host_vars or hv:
-                host_vars[hname] = hv
-            # The deepest group wins; a host in two sibling groups takes them in file order.
-            host_chain.setdefault(hname, [])
-            for link in chain:
-                if link not in host_chain[hname]:
-                    host_chain[hname].append(link)
-            members.append(hname)
-        children = gdef.get("children") or {}
-        if not isinstance(children, dict):
-            raise InventoryError(fname, None, f"group {gname}.children", "children must be a mapping of groups")
-        for cname, cdef in children.items():
-            if not isinstance(cname, str):
-                raise InventoryError(fname, None, f"group {cname}",
-                                     f"a group name must be a string, got {shown(cname)}: {_QUOTE_NAME}")
-            if not NAME_RE.match(cname) or cname == "all":
-                raise InventoryError(fname, None, f"group {cname}", "invalid group name")
-            members.extend(walk(cname, cdef, chain, seen + (gname,)))
-        uniq = list(dict.fromkeys(members))
-        groups[gname] = groups.get(gname, []) + [m for m in uniq if m not in groups.get(gname, [])]
-        return uniq
+@dataclass(frozen=True)
+class _Layer:
+    where: str  # as messages name it: "group gpu vars", "host vars", "group_vars/gpu.yml"
+    vars: dict[str, Any]
 
-    walk("all", doc["all"], [], ())
-    if not host_vars:
-        raise InventoryError(fname, None, None, "no hosts defined")
 
+def _layers(graph: InventoryGraph, folder: FolderVars, hname: str) -> list[_Layer]:
+    """A host's vars, lowest precedence first, as Ansible orders them: inline group vars (all, then
+    the host's groups by depth, priority, name), group_vars/all, group_vars of those groups, the
+    host's inline vars, host_vars."""
+    groups = graph.host_groups(hname)
+    out = [_Layer(f"group {g} vars", graph.groups[g].vars) for g in (ALL, *groups)]
+    out += [_Layer(f.label, f.vars) for g in (ALL, *groups) for f in folder.groups.get(g, ())]
+    out.append(_Layer("host vars", graph.host_vars[hname]))
+    out += [_Layer(f.label, f.vars) for f in folder.hosts.get(hname, ())]
+    return out
+
+
+def _merge(fname: str, hname: str, layers: list[_Layer]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The layers merged, a later one winning; the _MERGED mappings key by key. Also where each
+    var was set."""
+    merged: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    tables: dict[str, Any] = {}
+    for layer in layers:
+        _check_keys(fname, hname, layer.vars, layer.where)
+        merged.update({k: v for k, v in layer.vars.items() if k not in _MERGED})
+        origin.update(dict.fromkeys(layer.vars, layer.where))
+        for key in _MERGED:
+            t, sofar = layer.vars.get(key), tables.get(key, {})
+            if isinstance(t, dict) and isinstance(sofar, dict):
+                tables[key] = {**sofar, **t}
+            elif t is not None and isinstance(sofar, dict):
+                tables[key] = t  # not a mapping: kept for its row to refuse
+    merged.update(tables)
+    return merged, origin
+
+
+def _host(fname: str, hname: str, layers: list[_Layer], member_of: tuple[str, ...]) -> Host:
+    merged, origin = _merge(fname, hname, layers)
+    folded = fold_ansible_vars(merged, origin, fname, hname)
+    raw = folded.vars
+    if raw.get("address") is None and _is_address(hname):
+        raw["address"] = hname  # as Ansible: a host without ansible_host is reached at its name
+    try:
+        values = apply(HOST_FIELDS, raw)
+    except Invalid as e:
+        unnamed = e.field == "address" and "address" not in raw
+        hint = " (nor is the host's name; set ansible_host or address)" if unnamed else ""
+        raise InventoryError(fname, hname, folded.written.get(e.field, e.field), e.problem + hint) from None
+    try:
+        values["perf_gate"] = parse_perf_gate(raw.get("perf_gate"), "perf_gate",
+                                              base_dir=os.path.dirname(os.path.abspath(fname)))
+    except InputError as e:
+        field, _, problem = str(e).partition(": ")
+        raise InventoryError(fname, hname, field, problem) from None
+    return Host(name=hname, groups=member_of, source=fname, **values)
+
+
+def _is_address(name: str) -> bool:
+    try:
+        host_address()(name, {})
+    except Invalid:
+        return False
+    return True
+
+
+def build_inventory(graph: InventoryGraph, folder: FolderVars) -> Inventory:
+    fname = graph.fname
     hosts: dict[str, Host] = {}
-    for hname in host_vars:
-        layers = [(f"group {g} vars", gv) for g, gv in host_chain[hname]] + [("host vars", host_vars[hname])]
-        merged: dict[str, Any] = {}
-        tables: dict[str, Any] = {}  # the _MERGED mappings, merged key by key
-        for where, layer in layers:
-            _check_keys(fname, hname, layer, where)
-            merged.update({k: v for k, v in layer.items() if k not in _MERGED})
-            for key in _MERGED:
-                t, sofar = layer.get(key), tables.get(key, {})
-                if isinstance(t, dict) and isinstance(sofar, dict):
-                    tables[key] = {**sofar, **t}
-                elif t is not None and isinstance(sofar, dict):
-                    tables[key] = t  # not a mapping: kept for its row to refuse
-        merged.update(tables)
-        member_of = tuple(g for g, m in groups.items() if hname in m and g != "all")
-        try:
-            values = apply(HOST_FIELDS, merged)
-        except Invalid as e:
-            raise InventoryError(fname, hname, e.field, e.problem) from None
-        try:
-            values["perf_gate"] = parse_perf_gate(merged.get("perf_gate"), "perf_gate",
-                                                  base_dir=os.path.dirname(os.path.abspath(fname)))
-        except InputError as e:
-            field, _, problem = str(e).partition(": ")
-            raise InventoryError(fname, hname, field, problem) from None
-        hosts[hname] = Host(name=hname, groups=member_of, source=fname, **values)
+    host_chain: dict[str, list[tuple[str, dict]]] = {}  # for _resolve_servers: (group, its vars), all first
+    host_vars: dict[str, dict] = {}
+    for hname in graph.host_vars:
+        groups = graph.host_groups(hname)
+        member_of = tuple(g for g in graph.groups if g in groups)  # Ansible's group_names, inventory order
+        hosts[hname] = _host(fname, hname, _layers(graph, folder, hname), member_of)
+        host_chain[hname] = [(g, {**graph.groups[g].vars, **_folder_vars(folder.groups.get(g, ()))})
+                             for g in (ALL, *groups)]
+        host_vars[hname] = {**graph.host_vars[hname], **_folder_vars(folder.hosts.get(hname, ()))}
     hosts = _resolve_servers(fname, hosts, host_chain, host_vars)
     _check_workers_unique(fname, hosts)
-    return Inventory(path=fname, hosts=hosts, groups={g: tuple(m) for g, m in groups.items()})
+    return Inventory(path=fname, hosts=hosts, groups={g: graph.members(g) for g in graph.groups})
+
+
+def _folder_vars(files: tuple[VarsFile, ...]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in files:
+        out.update(f.vars)
+    return out
 
 
 def _check_workers_unique(fname: str, hosts: dict[str, Host]) -> None:
@@ -528,10 +508,14 @@ def _check_workers_unique(fname: str, hosts: dict[str, Host]) -> None:
 
 
 def _check_keys(fname: str, hname: str, vars_: dict, where: str) -> None:
-    unknown = sorted(str(k) for k in set(vars_) - _KNOWN_KEYS)
+    """Our keys are checked for typos; Ansible's own (ansible_*) are its business (ansible_vars.py)."""
+    unknown = sorted(str(k) for k in vars_ if not (k in _KNOWN_KEYS or str(k).startswith(ANSIBLE_PREFIX)))
     if unknown:
         raise InventoryError(fname, hname, unknown[0],
-                             f"unknown key in {where}; allowed: {', '.join(sorted(_KNOWN_KEYS))}")
+                             f"unknown key in {where}; allowed: {', '.join(sorted(_KNOWN_KEYS))} "
+                             f"(and Ansible's ansible_* vars: ansible_host, ansible_port, ansible_user, "
+                             f"ansible_ssh_private_key_file and ansible_python_interpreter are read, the rest "
+                             f"ignored)")
 
 
 _DIST_ADDR_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):([0-9]{1,5})$")

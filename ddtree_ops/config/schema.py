@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import math
 import os
 import re
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import shown
@@ -163,6 +165,52 @@ def number_range(lo: float, hi: float) -> Check:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
             raise Invalid(f"must be a number {lo}..{hi}, got {shown(value)}")
         return float(value)
+    return check
+
+
+@dataclass(frozen=True)
+class CountOrShare:
+    """A number of targets (`count`), or a share of them (`percent`, 25 for "25%")."""
+
+    count: int | None = None
+    percent: Fraction | None = None
+
+    def of(self, total: int) -> int:
+        """Resolved against `total` targets: never more than total; a share rounds down but is at
+        least 1 (as Ansible's `serial`)."""
+        if total <= 0:
+            return 0
+        if self.percent is not None:
+            return max(1, min(total, math.floor(self.percent * total / 100)))
+        return min(total, self.count or 1)
+
+    @property
+    def everything(self) -> bool:
+        return self.percent == 100
+
+    def __str__(self) -> str:
+        return f"{float(self.percent):g}%" if self.percent is not None else str(self.count)
+
+
+_SHARE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
+
+
+def count_or_share(what: str = "a number of targets (1 or more) or a share of them such as 25% (above 0, "
+                               "at most 100%)") -> Check:
+    """An int >= 1, its digits as a string, or "P%" with 0 < P <= 100, as CountOrShare."""
+
+    def check(value: Any, done: Mapping[str, Any]) -> CountOrShare:
+        if isinstance(value, CountOrShare):
+            return value
+        text = value.strip() if isinstance(value, str) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return CountOrShare(count=value)
+        if text is not None and text.isdigit() and int(text) >= 1:
+            return CountOrShare(count=int(text))
+        m = _SHARE_RE.match(text) if text is not None else None
+        if m and 0 < Fraction(m.group(1)) <= 100:
+            return CountOrShare(percent=Fraction(m.group(1)))
+        raise Invalid(f"must be {what}, got {shown(value)}{yaml_hint(value) if isinstance(value, bool) else ''}")
     return check
 
 

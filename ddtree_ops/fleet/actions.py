@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from ..artifacts.patchset import PatchSet
 from ..config.inventory import Host
@@ -19,10 +19,12 @@ from ..runbook.deploy import deploy_host
 from ..runbook.events import EventSink, Note
 from ..runbook.options import DeployOptions
 from ..runbook.results import HostResult, failed_result
-from ..runbook.rollback import rollback_host
+from ..runbook.rollback import UndoRollout, rollback_host
 from .multinode import deploy_server, rollback_server
-from .rollout import Progress, Rollout, RolloutResult, Target, TargetAction, plan_batches
-from .routing import Routers, router_for
+from .policy import RolloutPolicy
+from .rollout import Milestones, Progress, Rollout, RolloutResult, Target, TargetAction, plan_batches
+from .routing import Routers, router_for, router_gate
+from .serving_sample import before_after, read_serving
 
 HostOp = Callable[[HostSession, EventSink], HostResult]
 ServerOp = Callable[[Target, Callable[[Host], HostSession], EventSink], list[HostResult]]
@@ -58,13 +60,16 @@ def ssh_connector(accept_new_host_keys: bool = False, hooks: Hooks = NO_HOOKS) -
 def deploy_action(ps: PatchSet, opts: DeployOptions, connect: Callable[[Host], HostSession],
                   routers: Routers = router_for) -> TargetAction:
     def on_host(s: HostSession, report: EventSink) -> HostResult:
+        before = read_serving(s)  # the report's accept length and tok/s before → after
         with routers(s.host) as router:
-            return deploy_host(s, ps, opts, report, router=router)
+            result = deploy_host(s, ps, opts, report, router=router)
+        result.serving = before_after(before, read_serving(s))
+        return result
     return per_target(on_host, lambda t, c, report: deploy_server(t, ps, opts, connect=c, report=report,
                                                                   routers=routers), connect)
 
 
-def rollback_action(to: str | None, opts: DeployOptions, connect: Callable[[Host], HostSession],
+def rollback_action(to: str | UndoRollout | None, opts: DeployOptions, connect: Callable[[Host], HostSession],
                     routers: Routers = router_for) -> TargetAction:
     def on_host(s: HostSession, report: EventSink) -> HostResult:
         with routers(s.host) as router:
@@ -98,23 +103,37 @@ def rolling_deploy(targets: list[Target], ps: PatchSet, opts: DeployOptions, *, 
                    batch: str | None = None, max_fail: str | float = 0, forks: int = 10, keep_updated: bool = False,
                    accept_new_host_keys: bool = False, connect: Callable[[Host], HostSession] | None = None,
                    progress: Progress | None = None, notes: list[str] | None = None,
-                   hooks: Hooks = NO_HOOKS, routers: Routers = router_for) -> RolloutResult:
+                   hooks: Hooks = NO_HOOKS, routers: Routers = router_for,
+                   milestones: Milestones | None = None, policy: RolloutPolicy | None = None) -> RolloutResult:
+    """`policy`: max_unavailable and the router's pool (policy.py); None: neither (library callers)."""
     connect = connect or ssh_connector(accept_new_host_keys, hooks)
     if opts.peer_measure is None:
-        opts = dataclasses.replace(opts, peer_measure=peer_measurer(targets, plan_batches(len(targets), canary=canary,
-                                                                                          batch=batch)))
-    revert_opts = DeployOptions(command=opts.command + " (abort: rollback)")
+        opts = dataclasses.replace(opts, peer_measure=peer_measurer(targets, plan_batches(
+            len(targets), canary=canary, batch=batch, max_unavailable=policy.max_unavailable if policy else None)))
+    revert_opts = DeployOptions(command=opts.command + " (abort: rollback)", rollout_id=opts.rollout_id)
     return Rollout(targets, deploy_action(ps, opts, connect, routers), kind="deploy", canary=canary, batch=batch,
                    max_fail=max_fail, forks=forks, keep_updated=keep_updated,
-                   revert=rollback_action(None, revert_opts, connect, routers), progress=progress, notes=notes).run()
+                   revert=rollback_action(None, revert_opts, connect, routers), progress=progress, notes=notes,
+                   rollout_id=opts.rollout_id, stop_after_canary=opts.stop_after_canary, milestones=milestones,
+                   **_guarded(targets, policy, routers)).run()
 
 
-def rolling_rollback(targets: list[Target], to: str | None, opts: DeployOptions, *, batch: str | None = None,
-                     forks: int = 10, accept_new_host_keys: bool = False,
+def rolling_rollback(targets: list[Target], to: str | UndoRollout | None, opts: DeployOptions, *,
+                     batch: str | None = None, forks: int = 10, accept_new_host_keys: bool = False,
                      connect: Callable[[Host], HostSession] | None = None, progress: Progress | None = None,
                      notes: list[str] | None = None, hooks: Hooks = NO_HOOKS,
-                     routers: Routers = router_for) -> RolloutResult:
-    """Rollback over the selection: no canary, no abort (each host is rolled back on its own)."""
+                     routers: Routers = router_for, milestones: Milestones | None = None,
+                     policy: RolloutPolicy | None = None) -> RolloutResult:
+    """Rollback over the selection: no canary, no abort (each host is rolled back on its own), in
+    batches of at most `policy.max_unavailable` (as rolling_deploy)."""
     connect = connect or ssh_connector(accept_new_host_keys, hooks)
     return Rollout(targets, rollback_action(to, opts, connect, routers), kind="rollback", canary=0, batch=batch,
-                   max_fail=100, forks=forks, progress=progress, notes=notes).run()
+                   max_fail=100, forks=forks, progress=progress, notes=notes, rollout_id=opts.rollout_id,
+                   milestones=milestones, **_guarded(targets, policy, routers)).run()
+
+
+def _guarded(targets: list[Target], policy: RolloutPolicy | None, routers: Routers) -> dict[str, Any]:
+    """The Rollout's arguments for `policy`: its batch bound, and the router's say before each batch."""
+    if policy is None:
+        return {}
+    return {"max_unavailable": policy.max_unavailable, "admit": router_gate(targets, policy, routers)}

@@ -23,7 +23,7 @@ from ..runbook.events import EventSink, Note
 from ..runbook.options import DeployOptions
 from ..runbook.phases import Runbook
 from ..runbook.results import HostResult, Outcome, failed_result
-from ..runbook.rollback import rollback_host
+from ..runbook.rollback import UndoRollout, rollback_host
 from .rollout import Target
 from .routing import Routers, router_for
 
@@ -98,7 +98,7 @@ def _server_rows(run: DeployRun, end: DeployEnd, t0: float) -> list[HostResult]:
                 message=f"server {name}: deploy failed at {step}: {message}; every node rolled back")
 
 
-def rollback_server(server: Target, to: str | None, opts: DeployOptions, *, connect: Connect,
+def rollback_server(server: Target, to: str | UndoRollout | None, opts: DeployOptions, *, connect: Connect,
                     report: EventSink, routers: Routers = router_for) -> list[HostResult]:
     """Every node back, in the engine's rollback order (highest rank first, rank 0 last; node 0 gated)."""
     t0 = time.monotonic()

@@ -12,7 +12,9 @@ Vocabulary:
 * the *canary* is the first `--canary N` targets (default 1), run before anything else; any
   failure there aborts the rollout.
 * then the remaining targets in *batches* of `--batch N` or `--batch P%` (P% of all selected
-  targets, rounded down, at least 1, as Ansible's `serial`); default: all remaining at once.
+  targets, rounded down, at least 1, as Ansible's `serial`), never larger than the policy's
+  max_unavailable (policy.py: default 1 target, so a default rollout is rolling); behind a router
+  a batch that would leave too few workers ready is shortened or the rollout stops before it.
   A batch's targets run in parallel on a bounded pool of `--forks` worker threads, each target
   over its own SSH connection(s).
 * the *failure budget* `--max-fail P%` (default 0): after each batch, when the failed targets
@@ -41,13 +43,26 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..config.inventory import Host, Inventory
-from ..errors import EXIT_ERROR, EXIT_NEEDS_PERSON, EXIT_OK, EXIT_ROLLED_BACK, InputError, reason
+from ..errors import (
+    EXIT_BAD_INPUT,
+    EXIT_ERROR,
+    EXIT_NEEDS_PERSON,
+    EXIT_OK,
+    EXIT_ROLLED_BACK,
+    InputError,
+    RouterPoolShort,
+    reason,
+)
 from ..runbook.describe import Interrupt, interrupt_label, interrupted_by
 from ..runbook.events import Event, EventSink, Failed
 from ..runbook.results import SUCCESS, HostResult, Outcome, failed_result, overall_exit_code
+from .canary_verdict import canary_abort_reason
+
+if TYPE_CHECKING:
+    from .policy import Admission
 
 # ---------------------------------------------------------------------------------------------
 # targets, batches and the failure budget (pure)
@@ -123,8 +138,10 @@ def batch_size(spec: str | int | None, total: int) -> int:
     return min(total, int(s))
 
 
-def plan_batches(total: int, *, canary: int = 1, batch: str | int | None = None) -> list[list[int]]:
-    """Indices of the targets in each batch: the canary batch first (if canary > 0), then the rest."""
+def plan_batches(total: int, *, canary: int = 1, batch: str | int | None = None,
+                 max_unavailable: int | None = None) -> list[list[int]]:
+    """Indices of the targets in each batch: the canary batch first (if canary > 0), then the rest,
+    in batches never larger than `max_unavailable` (policy.py; None: no bound)."""
     if canary < 0:
         raise InputError(f"--canary must be >= 0, got {canary}")
     idx = list(range(total))
@@ -134,6 +151,8 @@ def plan_batches(total: int, *, canary: int = 1, batch: str | int | None = None)
         out.append(idx[:c])
     rest = idx[c:]
     size = batch_size(batch, total)
+    if max_unavailable is not None:
+        size = max(1, min(size, max_unavailable))
     for i in range(0, len(rest), max(size, 1)):
         out.append(rest[i:i + size])
     return out
@@ -203,6 +222,19 @@ class _Guarded(Progress):
         self._tell(self.view.stop)
 
 
+class Milestones:
+    """A rollout's milestones, for those who follow it from outside (fleet/notify.py's webhooks):
+    told from the rollout's own thread, in this order; `finished` comes after the view stopped."""
+
+    def started(self, hosts: list[str], batches: list[list[str]]) -> None: ...
+
+    def canary(self, passed: bool, results: list[HostResult]) -> None: ...
+
+    def aborted(self, reason: str) -> None: ...
+
+    def finished(self, result: RolloutResult) -> None: ...
+
+
 # ---------------------------------------------------------------------------------------------
 # the rollout
 
@@ -217,19 +249,23 @@ class RolloutResult:
     reverted: list[str] = field(default_factory=list)  # targets rolled back because of the abort
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    rollout_id: str | None = None  # shared by every host this run touched (fleet/rollout_id.py)
+    stopped_after_canary: bool = False  # --stop-after-canary: the rest waits for `promote`
 
     @property
     def exit_code(self) -> int:
         return overall_exit_code(self.results)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"action": self.action, "ok": self.exit_code == 0, "exit_code": self.exit_code,
+        return {"action": self.action, "rollout_id": self.rollout_id, "ok": self.exit_code == 0,
+                "exit_code": self.exit_code, "stopped_after_canary": self.stopped_after_canary,
                 "aborted": self.aborted, "abort_reason": self.abort_reason, "reverted": self.reverted,
                 "batches": self.batches, "notes": self.notes, "seconds": round(self.seconds, 3),
                 "hosts": [r.to_dict() for r in self.results]}
 
 
 TargetAction = Callable[[Target, EventSink], list[HostResult]]
+STOPPED_AFTER_CANARY = "--stop-after-canary: waiting for `promote`"
 
 
 _RUNNING: list[Rollout] = []  # the rollouts under way in this process (the CLI runs one at a time)
@@ -256,15 +292,23 @@ class Rollout:
     def __init__(self, targets: list[Target], action: TargetAction, *, kind: str = "deploy",
                  canary: int = 1, batch: str | int | None = None, max_fail: str | float | int = 0,
                  forks: int = 10, keep_updated: bool = False, revert: TargetAction | None = None,
-                 progress: Progress | None = None, notes: list[str] | None = None):
+                 progress: Progress | None = None, notes: list[str] | None = None,
+                 rollout_id: str | None = None, stop_after_canary: bool = False,
+                 milestones: Milestones | None = None, max_unavailable: int | None = None,
+                 admit: Callable[[list[Target]], Admission] | None = None):
         if forks < 1:
             raise InputError(f"--forks must be >= 1, got {forks}")
         self.targets, self.action, self.kind = targets, action, kind
         self.canary, self.max_fail = canary, parse_percent(max_fail)
-        self.batches = plan_batches(len(targets), canary=canary, batch=batch)
+        self.batches = plan_batches(len(targets), canary=canary, batch=batch, max_unavailable=max_unavailable)
+        # policy.py: targets out of service at once at most, and which of a batch may leave now.
+        self.max_unavailable, self.admit = max_unavailable, admit
+        self._held: RouterPoolShort | None = None  # the router refused the next batch
         self.forks, self.keep_updated, self.revert = forks, keep_updated, revert
         self.progress: Progress = _Guarded(progress or Progress())
         self.notes = list(notes or [])
+        self.rollout_id, self.stop_after_canary = rollout_id, stop_after_canary
+        self.milestones = milestones or Milestones()
         self._interrupts: list[KeyboardInterrupt] = []  # in arrival order; appended by `interrupt`
         self._told = 0  # how many of them the progress view was told about
 
@@ -345,9 +389,40 @@ class Rollout:
     def _not_started(self, host: str, reason: str) -> HostResult:
         """A host the rollout never started on. Not a success when an interrupt stopped the
         rollout (exit 1, as "interrupted before any change"): an interrupted rollout never exits 0
-        unless every host was done when it came."""
+        unless every host was done when it came. Nor when the router held it back (RouterPoolShort:
+        refused, exit 2, when nothing had changed; exit 1 after earlier batches)."""
+        if self._held is not None:
+            return HostResult(host, Outcome.REFUSED if self._held.exit_code == EXIT_BAD_INPUT else Outcome.SKIPPED,
+                              self._held.exit_code, message=f"not started: {reason}")
         return HostResult(host, Outcome.SKIPPED, EXIT_ERROR if self._interrupts else EXIT_OK,
                           message=f"not started: {reason}")
+
+    def _admitted(self, queue: list[list[int]], bi: int, *, changed: bool) -> list[Target] | None:
+        """The targets of batch `bi` that may leave service now (`admit`, policy.py); those that
+        must wait get a batch of their own, next in `queue`. None when none may go: `_held` says why."""
+        batch = [self.targets[i] for i in queue[bi]]
+        if self.admit is None or self._interrupts:
+            return batch
+        names = ", ".join(t.name for t in batch)
+        after = f"before {names}" + ("" if changed else "; nothing was changed")
+        try:
+            adm = self.admit(batch)
+        except Exception as e:  # an unreadable router: nothing is taken out of it on a guess
+            self._held = RouterPoolShort(f"the router's workers could not be read: {reason(e)}; stopped {after}",
+                                         changed=changed)
+            return None
+        if adm.refused:
+            self._held = RouterPoolShort(f"{adm.why}; stopped {after}", changed=changed)
+            return None
+        if adm.wait:
+            index = {t.name: i for i, t in enumerate(self.targets)}
+            queue[bi] = [index[n] for n in adm.go]
+            queue.insert(bi + 1, [index[n] for n in adm.wait])
+            self.progress.note(f"{', '.join(adm.wait)} wait for the next batch: {adm.why}")
+        return [self.targets[i] for i in queue[bi]]
+
+    def _names(self, queue: list[list[int]]) -> list[list[str]]:
+        return [[self.targets[i].name for i in b] for b in queue]
 
     def _failed(self, results: list[HostResult]) -> bool:
         return any(r.outcome not in SUCCESS[self.kind] for r in results)
@@ -358,18 +433,28 @@ class Rollout:
         names = [[self.targets[i].name for i in b] for b in self.batches]
         all_hosts = [h.name for t in self.targets for h in t.hosts]
         self.progress.start(all_hosts, names)
+        self.milestones.started(all_hosts, names)
         for n in self.notes:
             self.progress.note(n)
         by_target: dict[str, list[HostResult]] = {}
+        canary_rows: list[HostResult] = []
         aborted, reason = False, None
         attempted = failed = 0
+        queue = [list(b) for b in self.batches]  # a batch the router shortens leaves the rest to a next one
         _RUNNING.append(self)  # from here on an interrupt is recorded, never raised in this thread
         try:
             with ThreadPoolExecutor(max_workers=self.forks, thread_name_prefix="ddtree-ops") as pool:
-                for bi, batch_idx in enumerate(self.batches):
-                    batch = [self.targets[i] for i in batch_idx]
-                    is_canary = bi == 0 and self.canary > 0
-                    label = "canary" if is_canary else f"batch {bi + (0 if self.canary > 0 else 1)}"
+                bi = -1
+                while bi + 1 < len(queue):
+                    bi += 1
+                    batch = self._admitted(queue, bi, changed=bool(by_target))
+                    if batch is None:
+                        aborted, reason = True, str(self._held)
+                        self.progress.note(f"rollout stopped: {reason}")
+                        self.milestones.aborted(reason)
+                        break
+                    is_canary = queue[bi][0] < self.canary
+                    label = "canary" if is_canary else f"batch {bi + 1 - sum(b[0] < self.canary for b in queue[:bi])}"
                     self.progress.note(f"{label}: {', '.join(t.name for t in batch)}")
                     # A rollback is never cut short (half done, it would need a person): in flight, it
                     # runs to its end; an interrupt only stops what has not started.
@@ -381,22 +466,38 @@ class Rollout:
                     if self._interrupts:
                         aborted, reason = True, interrupted_by(self._interrupts[0])
                     elif is_canary and batch_failed:
-                        aborted, reason = True, f"canary failed ({batch_failed} of {len(batch)})"
+                        aborted, reason = True, canary_abort_reason([r for t in batch for r in done[t.name]],
+                                                                    batch_failed, len(batch))
                     elif budget_exceeded(failed, attempted, self.max_fail):
                         aborted = True
                         reason = (f"failure budget exceeded: {failed} of {attempted} failed "
                                   f"({float(Fraction(failed * 100, attempted)):.0f}% > "
                                   f"max-fail {float(self.max_fail):g}%)")
+                    if is_canary:  # the verdict once the whole canary ran (it may span batches), or failed
+                        canary_rows += [r for t in batch for r in done[t.name]]
+                        if aborted or not any(i < self.canary for b in queue[bi + 1:] for i in b):
+                            self.milestones.canary(not self._failed(canary_rows), canary_rows)
                     if aborted:
                         self.progress.note(f"rollout aborted: {reason}")
+                        self.milestones.aborted(reason)
+                        break
+                    if is_canary and self.stop_after_canary and not any(i < self.canary for b in queue[bi + 1:]
+                                                                         for i in b):
+                        reason = STOPPED_AFTER_CANARY  # the whole canary is done (it may span batches)
                         break
                 reverted: list[str] = []
-                if aborted and self.revert is not None and not self.keep_updated:
+                if aborted and self._held is not None:
+                    self.progress.note("hosts this run changed stay as they are: rolling them back would take "
+                                       "more workers out of the router")
+                elif aborted and self.revert is not None and not self.keep_updated:
                     updated = [t for t in self.targets if t.name in by_target
                                and any(r.outcome == Outcome.DEPLOYED for r in by_target[t.name])]
                     if updated:
                         self.progress.note(f"rolling back what this run updated: {', '.join(t.name for t in updated)}")
-                        back = self._run_batch(pool, updated, self.revert, False)
+                        back: dict[str, list[HostResult]] = {}
+                        step = self.max_unavailable or len(updated)  # never more out at once than a batch
+                        for i in range(0, len(updated), step):
+                            back.update(self._run_batch(pool, updated[i:i + step], self.revert, False))
                         for t in updated:
                             by_target[t.name] = _merge_revert(by_target[t.name], back[t.name])
                             reverted.append(t.name)
@@ -412,8 +513,12 @@ class Rollout:
                 results.extend(by_target[t.name])
             else:
                 results.extend(self._not_started(h.name, reason or "aborted") for h in t.hosts)
-        return RolloutResult(self.kind, results, names, aborted, reason, reverted, self.notes,
-                             time.monotonic() - t_start)
+        result = RolloutResult(self.kind, results, self._names(queue), aborted, reason if aborted else None,
+                               reverted, self.notes,
+                               time.monotonic() - t_start, self.rollout_id,
+                               reason == STOPPED_AFTER_CANARY and not aborted)
+        self.milestones.finished(result)
+        return result
 
 
 def _ran_to_its_end(row: HostResult, e: KeyboardInterrupt) -> HostResult:

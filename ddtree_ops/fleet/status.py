@@ -2,7 +2,9 @@
 
 Per host: reachable (or why not), current release and its patch set/bundle, budget/topk of the
 active unit's ExecStart, drift (files whose sha256 differs from what the current release
-recorded as installed), unit states, /health and the average accept length from /server_info,
+recorded as installed), configuration drift (the inventory's budget, topk, unit and launch flags,
+and the patch set or bundle when named, against what the host runs: config_drift.py), unit
+states, /health and the average accept length from /server_info,
 and the host's last heal of itself (rolled back on its own when its controller was lost).
 An unreachable host is a row with `reachable: false` and the reason, never a crash.
 """
@@ -22,6 +24,7 @@ from ..gates.health import health_status
 from ..host.http import http_client
 from ..host.release_store import ReleaseStore
 from ..host.session import open_session
+from .config_drift import Expected, Running, compare
 
 UNIT_DIR = "/etc/systemd/system"  # where a conflicting unit is read from (the tool's own: host.unit_path)
 
@@ -54,7 +57,7 @@ def _active_unit_text(store: ReleaseStore, host: Host, active: str | None, facts
     return facts.get("unit_text")
 
 
-def host_status(host: Host, *, accept_new_host_keys: bool = False) -> dict[str, Any]:
+def host_status(host: Host, *, accept_new_host_keys: bool = False, expected: Expected | None = None) -> dict[str, Any]:
     t0 = time.monotonic()
     row: dict[str, Any] = {
         "host": host.name, "address": host.address, "server": host.server,
@@ -62,7 +65,7 @@ def host_status(host: Host, *, accept_new_host_keys: bool = False) -> dict[str, 
         "reachable": False, "reason": None, "release": None, "patchset": None, "bundle": None,
         "release_outcome": None, "budget": None, "topk_cap": None, "algorithm": None, "drift": [],
         "units": {}, "active_unit": None, "health": None, "avg_accept_length": None, "journal": None, "lock": None,
-        "perf_gate": None, "host_heal": None,
+        "perf_gate": None, "host_heal": None, "rollout": None, "config_drift": [],
     }
     try:
         session = open_session(host, accept_new_host_keys=accept_new_host_keys)
@@ -79,6 +82,7 @@ def host_status(host: Host, *, accept_new_host_keys: bool = False) -> dict[str, 
             row["release"] = facts.get("current")
             row["patchset"] = rel.get("patchset")
             row["bundle"] = rel.get("bundle")
+            row["rollout"] = rel.get("rollout")
             row["release_outcome"] = rel.get("outcome")
             row["perf_gate"] = rel.get("perf_gate")  # the current release's canary gate (perfgate)
             row["journal"] = facts.get("journal")
@@ -95,9 +99,13 @@ def host_status(host: Host, *, accept_new_host_keys: bool = False) -> dict[str, 
             for u, st in session.services.states((host.unit, *host.conflicts)).items():
                 row["units"][u] = st.active
             row["active_unit"] = next((u for u, s in row["units"].items() if s == "active"), None)
-            flags = parse_exec_flags(_active_unit_text(store, host, row["active_unit"], facts) or "")
+            unit_text = _active_unit_text(store, host, row["active_unit"], facts)
+            flags = parse_exec_flags(unit_text or "")
             row["budget"], row["topk_cap"], row["algorithm"] = (flags.get("budget"), flags.get("topk_cap"),
                                                                  flags.get("algorithm"))
+            running = Running(row["release"], row["patchset"], rel.get("patchset_digest"), row["bundle"],
+                              row["budget"], row["topk_cap"], row["active_unit"], unit_text)
+            row["config_drift"] = [d.to_dict() for d in compare(host, running, expected)]
         except DdtreeOpsError as e:
             row["reason"] = f"reading the host failed: {e}"
         except Exception as e:
@@ -106,13 +114,15 @@ def host_status(host: Host, *, accept_new_host_keys: bool = False) -> dict[str, 
             session.close()
     _http(host, row)
     row["seconds"] = round(time.monotonic() - t0, 2)
-    row["ok"] = bool(row["reachable"] and not row["reason"] and not row["drift"]
+    row["ok"] = bool(row["reachable"] and not row["reason"] and not row["drift"] and not row["config_drift"]
                      and (host.node_rank >= 1 or row["health"] == 200))
     return row
 
 
-def collect_status(hosts: list[Host], *, accept_new_host_keys: bool = False, forks: int = 10) -> list[dict[str, Any]]:
+def collect_status(hosts: list[Host], *, accept_new_host_keys: bool = False, forks: int = 10,
+                   expected: Expected | None = None) -> list[dict[str, Any]]:
     if not hosts:
         return []
     with ThreadPoolExecutor(max_workers=max(1, min(forks, len(hosts))), thread_name_prefix="ddtree-status") as pool:
-        return list(pool.map(lambda h: host_status(h, accept_new_host_keys=accept_new_host_keys), hosts))
+        return list(pool.map(lambda h: host_status(h, accept_new_host_keys=accept_new_host_keys, expected=expected),
+                             hosts))

@@ -179,7 +179,7 @@ class SmgRouter:
         try:
             r = client.request(method, path, json=body)
         except (DeadlineExceeded, BodyTooLarge) as e:  # its message names the request and the bound
-            raise RouterUnavailable(f"router: {e}") from None
+            raise RouterUnavailable(f"{self._where()}: {e}") from None
         except httpx.HTTPError as e:
             raise RouterUnavailable(f"{self._where()}: {method} {path}: {type(e).__name__}: {e}") from None
         if r.status_code in ok:

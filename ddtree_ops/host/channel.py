@@ -102,18 +102,28 @@ class AgentChannel:
         self._heartbeat: Heartbeat | None = None
         self.starts = 0  # agent processes started (one per operation unless reconnected)
         self.hello: HelloReply | None = None  # the agent's first answer: its pid, Python, unit
+        self._ended: tuple[int, str] | None = None  # (exit status, error output) of an agent that exited
 
     def _start(self) -> None:
         chan = self.conn.start(agent_argv(self.host.agent_python))
         source = agent_source().encode()
+        self._chan, self._buf, self._scanned, self._ended = chan, bytearray(), 0, None
         try:
             chan.sendall(b"%010d" % len(source) + source)
         except (OSError, EOFError) as e:
-            chan.close()
+            refusal = self._not_started(chan)
+            self._close_channel()
+            if refusal is not None:
+                raise refusal from None
             raise UnreachableError(f"{self.host.name}: connection lost while starting the agent: {reason(e)}") from None
-        self._chan, self._buf, self._scanned = chan, bytearray(), 0
         self.starts += 1
-        answer = self._exchange(Hello(self.host.lock_lease_s).to_wire(), self.host.connect_timeout_s + 30)
+        try:
+            answer = self._exchange(Hello(self.host.lock_lease_s).to_wire(), self.host.connect_timeout_s + 30)
+        except UnreachableError:
+            refusal = self._not_started(chan)
+            if refusal is not None:
+                raise refusal from None
+            raise
         try:
             self.hello = HelloReply.from_wire(answer_result(self.host.name, "hello", answer))
         except ProtocolError as e:
@@ -248,14 +258,28 @@ class AgentChannel:
         chan = self._chan
         status = chan.recv_exit_status() if chan is not None and chan.exit_status_ready() else -1
         if status != -1:  # paramiko's -1: the channel closed without one
-            return f"the agent exited ({status}) during {op!r}: {self._stderr()}"
+            self._ended = (status, self._stderr())
+            return f"the agent exited ({status}) during {op!r}: {self._ended[1]}"
         return f"connection lost during remote step {op!r} (the SSH channel closed without an exit status)"
 
-    def _stderr(self) -> str:
+    def _not_started(self, chan: Any) -> PreflightError | None:
+        """`agent_python` could not be run at all (a wrong path, not executable): a preflight
+        refusal naming the host, the field and the path, instead of a lost agent (exit 1)."""
+        if self._ended is None and chan.exit_status_ready():
+            self._ended = (chan.recv_exit_status(), self._stderr(chan))
+        if self._ended is None or not interpreter_missing(*self._ended):
+            return None
+        status, err = self._ended
+        return PreflightError(self.host.name, f"agent_python {self.host.agent_python} cannot be run on the host "
+                                              f"(exit {status}: {shown(err, 300)}); nothing was changed. Set "
+                                              f"agent_python to the host's system Python, such as /usr/bin/python3")
+
+    def _stderr(self, chan: Any = None) -> str:
+        chan = chan or self._chan
         err, read = b"", 0
         try:
-            while self._chan is not None and read < STDERR_READ_MAX and self._chan.recv_stderr_ready():
-                chunk = self._chan.recv_stderr(1 << 16)
+            while chan is not None and read < STDERR_READ_MAX and chan.recv_stderr_ready():
+                chunk = chan.recv_stderr(1 << 16)
                 if not chunk:  # end of the stream: a channel may still call that "ready"
                     break
                 read += len(chunk)
@@ -293,6 +317,12 @@ class AgentChannel:
         finally:
             if held:
                 self._io.release()
+
+
+def interpreter_missing(status: int, stderr: str) -> bool:
+    """Whether an agent that ended with `status` never ran: the login shell could not find (127)
+    or execute (126) `agent_python`, or `sudo -n` could not (exit 1, "command not found")."""
+    return status in (126, 127) or (status == 1 and stderr.startswith("sudo:") and "command not found" in stderr)
 
 
 def answer_result(host: str, op: str, answer: dict[str, Any]) -> dict[str, Any]:

@@ -33,8 +33,12 @@ from .agent.protocol import (
     LaunchCheck,
     Lock,
     LockReply,
+    PathAccess,
+    PathAccessReply,
     ProcInfo,
     Prune,
+    ReleaseContent,
+    ReleaseContentReply,
     ReleaseWrite,
     RemovePartial,
     RemovePartialReply,
@@ -47,6 +51,7 @@ from .agent.protocol import (
     VerifyBackupReply,
     VerifyUnit,
     VerifyUnitReply,
+    WantedContent,
 )
 from .channel import AgentTransport, ask, ask_reply
 from .lease import lease_lost_message
@@ -111,6 +116,10 @@ class ReleaseStore:
         """The server parser's verdict on a launch line and who holds its ports (the document
         runbook.launch_check reads)."""
         return self._ask(request)
+
+    def path_access(self, request: PathAccess) -> PathAccessReply:
+        """Whether the unit's User= can use each path (exists, readable; `execute`: runnable)."""
+        return self._reply(request, PathAccessReply)
 
     def proc_info(self, pids: list[int]) -> dict[str, dict[str, Any]]:
         """Command line and ancestors of each PID still running, by PID as a string."""
@@ -216,6 +225,11 @@ class ReleaseStore:
 
     def prune(self, keep: int) -> list[str]:
         return self._ask(Prune(self.state_dir, keep))["removed"]
+
+    def release_content(self, wanted: list[tuple[str, str]], max_bytes: int) -> ReleaseContentReply:
+        """Read only: the text of each (path, sha256) as a backup or the live file holds it."""
+        request = ReleaseContent(self.state_dir, [WantedContent(p, sha) for p, sha in wanted], max_bytes)
+        return self._reply(request, ReleaseContentReply)
 
 
 def _ours_later(seen: dict[str, Any], held: LockHolder) -> bool:

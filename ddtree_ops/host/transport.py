@@ -26,7 +26,7 @@ from typing import Iterator, Sequence
 import paramiko
 
 from ..config.inventory import Host
-from ..errors import HostKeyError, RemoteCommandError, UnreachableError, reason
+from ..errors import HostKeyError, LocalKeyMissing, RemoteCommandError, UnreachableError, reason
 
 
 def shell_join(argv: Sequence[str | int | os.PathLike]) -> str:
@@ -68,6 +68,24 @@ def _host_key_name(host: Host) -> str:
     return host.address if host.ssh_port == 22 else f"[{host.address}]:{host.ssh_port}"
 
 
+def check_identity_file(host: Host) -> None:
+    """The host's `identity_file` is a readable file here, or LocalKeyMissing (exit 2) before any
+    connection: Paramiko reports a missing key as the connection failing ("cannot reach ...")."""
+    path = host.identity_file
+    if not path:
+        return
+    if os.path.isdir(path):
+        why = "is a folder, not a private key file"
+    elif not os.path.exists(path):
+        why = "no such file on this machine"
+    elif not os.access(path, os.R_OK):
+        why = "this user cannot read it"
+    else:
+        return
+    raise LocalKeyMissing(f"{host.name}: identity_file {path}: {why} (checked before connecting; "
+                          f"nothing was changed)")
+
+
 def connect_kwargs_for(host: Host) -> dict:
     """Paramiko's `SSHClient.connect` arguments: `connect_timeout` (seconds, a float: 0.5 is half a
     second) bounds the TCP connect (`timeout`), the SSH banner and the authentication."""
@@ -103,6 +121,7 @@ class HostConnection:
 
     # -- connection ----------------------------------------------------------------------------
     def open(self) -> "HostConnection":
+        check_identity_file(self.host)
         client = self._conn.client
         kh = self.host.known_hosts
         if os.path.exists(kh):

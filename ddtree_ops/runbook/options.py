@@ -24,3 +24,13 @@ class DeployOptions:
     ask: Callable[[str], bool] | None = None  # how "ask" asks (the CLI's prompt)
     # A host not yet updated, measured with the same workload for comparison (set by the rollout).
     peer_measure: Callable[[str], Any] | None = None
+    # The rollout this run is part of (fleet/rollout_id.py), recorded with each host's release.
+    rollout_id: str | None = None
+    stop_after_canary: bool = False  # deploy: the canary batch only, left on the new release
+    # --budget/--topk-cap given on the command line: recorded, so `promote` applies them again.
+    overrides: dict[str, int] = field(default_factory=dict)
+
+    def rollout_args(self) -> dict[str, Any]:
+        """What `promote` must repeat to continue this rollout with the same gates."""
+        return {"overrides": dict(self.overrides), "perf_gate": self.perf_gate, "deadline_s": self.deadline_s,
+                "marginal": "fail" if self.marginal == "ask" else self.marginal}

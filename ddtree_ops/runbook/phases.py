@@ -270,7 +270,8 @@ class Runbook:
                                  patchset_digest=ps.digest(), bundle=opts.bundle_id, budget=h.budget,
                                  topk_cap=h.topk_cap, previous=plan.current_release, outcome="in progress",
                                  active_before=j["active_before"], enabled_before=j["enabled_before"],
-                                 by=j["holder"]["user"], command=opts.command, **{JOURNAL_KEY: j.get(JOURNAL_KEY)})
+                                 by=j["holder"]["user"], command=opts.command, rollout=opts.rollout_id,
+                                 rollout_args=opts.rollout_args(), **{JOURNAL_KEY: j.get(JOURNAL_KEY)})
         self._journal(release, "backup")
         self.session.hooks.pause("before-backup")
         paths = backup_paths(plan, h.unit_path, check=not opts.force)
@@ -539,13 +540,13 @@ class Runbook:
                 self.log.note(f"reconnect failed ({reason(e)}); trying again in {pause:g} s")
 
     def begin_rollback(self, undo: list[str], to: str | None, to_original: bool, oldest: dict[str, Any],
-                       lock: LockHolder) -> dict[str, Any]:
+                       lock: LockHolder, rollout: str | None = None) -> dict[str, Any]:
         """The journal of a rollback, written before its first change: an interrupted rollback is
         finished by the next run (every step of it can be done again)."""
         journal = {"kind": "rollback", "release": undo[0], "undo": list(undo), "to": to, "to_original": to_original,
                    "active_before": oldest.get("active_before") or {},
                    "enabled_before": oldest.get("enabled_before") or {}, "holder": lock.holder, "step": "restore",
-                   JOURNAL_KEY: oldest.get(JOURNAL_KEY)}
+                   JOURNAL_KEY: oldest.get(JOURNAL_KEY), "rollout": rollout}
         self.store.journal(**journal)
         return journal
 
@@ -554,7 +555,9 @@ class Runbook:
         for rid in journal["undo"]:
             self.step("restore", f"undoing release {rid}")
             self.restore_backup(rid)
-            self.store.write_release(rid, outcome="rolled back", rolled_back_at=time.time())
+            self.store.write_release(rid, outcome="rolled back", rolled_back_at=time.time(),
+                                     rollback_rollout=journal.get("rollout"),
+                                     rollback_by=(journal.get("holder") or {}).get("user"))
         if journal.get("to_original"):
             self.restore_backup("original")
         journal["step"] = "services"

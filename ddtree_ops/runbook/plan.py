@@ -14,6 +14,7 @@ from ..artifacts.patchset import PatchSet, check_sglang_version
 from ..artifacts.units import render_unit, unit_diff
 from ..config.inventory import Host
 from ..config.redaction import redact
+from ..host.agent.protocol import PathAccess
 from ..host.journal import journal_problem
 from ..host.release_store import ReleaseStore
 from ..host.services import UnitState
@@ -61,6 +62,10 @@ class HostPlan:
     refusals: tuple[str, ...]  # preflight problems that stop the deploy (nothing changed)
     interrupted: dict | None  # the journal of an interrupted deploy, repaired first
     lock: dict | None
+    # `plan`'s dry run (dry_run.py): the checks that passed, one line each, and the lock message
+    # deploy would stop with (exit 5) when another run holds the host.
+    checked: tuple[str, ...] = ()
+    locked: str | None = None
 
     @property
     def changes(self) -> bool:
@@ -117,6 +122,7 @@ def compute_plan(host: Host, ps: PatchSet, facts: dict[str, Any], unit_new: str,
     if facts.get("service_user_problem"):  # the server could not start as its User= either
         refusals.append(str(facts["service_user_problem"]))
     refusals += secrets_config_refusals(host, facts)
+    refusals += path_refusals(host, facts)
     refusals += unwritable_refusals(host, facts)
     journal_bad = facts.get("journal_error") or journal_problem(facts.get("journal"))
     if journal_bad:
@@ -189,8 +195,57 @@ def secrets_config_refusals(host: Host, facts: dict[str, Any]) -> list[str]:
     return refusals
 
 
+# The paths the launch line names that the unit's process must be able to use: (field, execute).
+LAUNCH_PATHS = (("python", True), ("model_path", False), ("draft_model_path", False))
+PATH_CONSEQUENCE = {
+    "python": "the unit's ExecStart runs it (python: the venv's interpreter)",
+    "model_path": "the new server would fail to load it after the old one stopped",
+    "draft_model_path": "the new server would fail to load the draft model after the old one stopped",
+}
+
+
+def launch_paths(host: Host) -> list[tuple[str, str, bool]]:
+    """(field, path, execute) for each launch path that is a local path (a hub id such as
+    moonshotai/Kimi-K2.6 is fetched by the server, not checked here)."""
+    return [(name, getattr(host, name), execute) for name, execute in LAUNCH_PATHS
+            if getattr(host, name).startswith("/")]
+
+
+def path_access_request(host: Host) -> PathAccess:
+    paths = launch_paths(host)
+    return PathAccess([p for _, p, _ in paths], [x for _, _, x in paths], user=host.service_user)
+
+
+def path_refusals(host: Host, facts: dict[str, Any]) -> list[str]:
+    """A launch path that is missing or that the unit's User= cannot use: the server would fail
+    only after the old one stopped. Facts without the check (an older reader) refuse nothing."""
+    found = facts.get("launch_paths")
+    if not isinstance(found, dict):
+        return []
+    if found.get("failed"):
+        if facts.get("service_user_problem"):
+            return []  # refused already, for the same cause
+        return [f"the launch paths ({', '.join(n for n, _, _ in launch_paths(host))}) could not be checked as "
+                f"User={host.service_user}: {found['failed']}"]
+    return [f"{f['field']} {f['path']} {f['problem']} on {host.name}: {PATH_CONSEQUENCE[f['field']]}; fix "
+            f"{f['field']} in the inventory or provision it on the host"
+            for f in found.get("paths", []) if f.get("problem")]
+
+
+def read_launch_paths(store: ReleaseStore, host: Host) -> dict[str, Any]:
+    """The launch paths as the unit's User= meets them (one round trip; none without a local path)."""
+    names = launch_paths(host)
+    if not names:
+        return {"paths": []}
+    reply = store.path_access(path_access_request(host))
+    if reply.failed:
+        return {"failed": reply.failed}
+    return {"paths": [{"field": name, "path": path, "exists": f.exists, "kind": f.kind, "problem": f.problem}
+                      for (name, path, _), f in zip(names, reply.facts, strict=True)]}
+
+
 def read_host(session: HostReader, ps: PatchSet) -> dict[str, Any]:
-    """Everything the plan needs, read in two round trips. `unit_states` keeps the whole state of
+    """Everything the plan needs, read in three round trips. `unit_states` keeps the whole state of
     each unit (the deploy records it as what to restore); the plan reads only `units`. The
     secrets_config file is asked for with the patch set's files, as a secret path: the agent
     reports its mode and owner only, and no hash of it leaves the host."""
@@ -199,6 +254,7 @@ def read_host(session: HostReader, ps: PatchSet) -> dict[str, Any]:
     facts = session.store.facts(paths, [host.secrets_config] if host.secrets_config else [])
     facts["unit_states"] = session.services.states((host.unit, *host.conflicts))
     facts["units"] = {u: s.active for u, s in facts["unit_states"].items()}
+    facts["launch_paths"] = read_launch_paths(session.store, host)
     return facts
 
 

@@ -27,8 +27,8 @@ def compile_problems(store: ReleaseStore, host: Host, ps: PatchSet, unit_text: s
     svc = service_exec(unit_text)
     reply = store.compile(Compile(pyfiles, host.python, user=svc.user, group=svc.group,
                                   supplementary_groups=list(svc.supplementary_groups)))
-    if reply.failed:
-        return [f"cannot compile the patch set's modules with {host.python}: {reply.failed}"]
+    if reply.failed:  # most often a wrong `python` (the venv's interpreter is not where the inventory says)
+        return [f"python {host.python}: cannot compile the patch set's modules with it: {reply.failed}"]
     return [f"does not compile with {host.python}: {e}" for e in reply.errors]
 
 

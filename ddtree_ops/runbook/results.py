@@ -68,6 +68,7 @@ class HostResult:
     seconds: float = 0.0
     repaired: str | None = None  # an interrupted deploy this run repaired first
     perf_gate: dict[str, Any] | None = None  # the canary's performance gate (perfgate.GateVerdict.as_dict)
+    serving: dict[str, Any] | None = None  # the server's accept length, tok/s before → after (fleet/serving_sample.py)
 
     def to_dict(self) -> dict[str, Any]:
         """For --json. The log lines were scrubbed where they were read (deploy.describe_failure);

@@ -28,15 +28,53 @@ from .steps import StepFailed
 ORIGINAL = "original"
 
 
-def releases_to_undo(history: dict[str, Any], to: str | None, host: str) -> list[str]:
-    """Release ids to undo, newest first: the current one (`to` None), down to the named one
-    (excluded), or all of them (`to` 'original'). InputError when that is not possible."""
+@dataclass(frozen=True)
+class UndoRollout:
+    """`rollback --rollout ID`: each host back to the release it ran before that rollout changed it."""
+
+    rollout: str
+
+
+def current_chain(history: dict[str, Any]) -> list[str]:
+    """The current release and its predecessors, newest first."""
     by_id = {r["id"]: r for r in history["releases"]}
     chain: list[str] = []
     cur = history["current"]
     while cur and cur not in chain:
         chain.append(cur)
         cur = (by_id.get(cur) or {}).get("previous")
+    return chain
+
+
+def releases_of_rollout(history: dict[str, Any], rollout: str, host: str) -> list[str]:
+    """Release ids to undo, newest first, to bring the host back to what it ran before `rollout`
+    (a release recorded with that rollout id still on its current chain, and everything since).
+    InputError when the rollout never changed the host, or its release was undone already."""
+    by_id = {r["id"]: r for r in history["releases"]}
+    chain = current_chain(history)
+    hits = [i for i, rid in enumerate(chain) if (by_id.get(rid) or {}).get("rollout") == rollout]
+    if not hits:
+        gone = [r for r in history["releases"] if r.get("rollout") == rollout]
+        if gone:
+            raise InputError(f"{host}: release {gone[-1]['id']} of rollout {rollout} is no longer current "
+                             f"({gone[-1].get('outcome')}); nothing of that rollout to undo")
+        raise InputError(f"{host}: rollout {rollout} never changed this host")
+    undo = chain[: hits[-1] + 1]
+    _require_backups(undo, by_id, host)
+    return undo
+
+
+def _require_backups(undo: list[str], by_id: dict[str, Any], host: str) -> None:
+    for rid in undo:
+        if not by_id.get(rid, {}).get("backup_present"):
+            raise InputError(f"{host}: the backup of release {rid} was pruned; cannot roll back past it")
+
+
+def releases_to_undo(history: dict[str, Any], to: str | None, host: str) -> list[str]:
+    """Release ids to undo, newest first: the current one (`to` None), down to the named one
+    (excluded), or all of them (`to` 'original'). InputError when that is not possible."""
+    by_id = {r["id"]: r for r in history["releases"]}
+    chain = current_chain(history)
     if not chain:
         raise InputError(f"{host}: no deployed release to roll back (the host runs its original files)")
     if to is None:
@@ -50,9 +88,7 @@ def releases_to_undo(history: dict[str, Any], to: str | None, host: str) -> list
     else:
         raise InputError(f"{host}: release {to!r} is not an ancestor of the current release "
                          f"{history['current']} (see `ddtree-ops history --host {host}`)")
-    for rid in undo:
-        if not by_id.get(rid, {}).get("backup_present"):
-            raise InputError(f"{host}: the backup of release {rid} was pruned; cannot roll back past it")
+    _require_backups(undo, by_id, host)
     return undo
 
 
@@ -61,7 +97,7 @@ class RollbackRun:
     """The state of the rollback of one node (the engine's executor runs `ROLLBACK` over it)."""
 
     nodes: list[Runbook]  # the node being rolled back, alone: each node is rolled back on its own
-    to: str | None
+    to: str | UndoRollout | None
     opts: DeployOptions
     lock: LockHolder
     undo: list[str] = field(default_factory=list)
@@ -78,7 +114,8 @@ def _choose(r: RollbackRun, i: int) -> None:
     """What to undo, and every backup it needs checked before anything is touched."""
     rb = r.nodes[i]
     history = rb.store.history()
-    r.undo = releases_to_undo(history, r.to, rb.host.name)
+    r.undo = (releases_of_rollout(history, r.to.rollout, rb.host.name) if isinstance(r.to, UndoRollout)
+              else releases_to_undo(history, r.to, rb.host.name))
     for rid in r.undo:
         problems = rb.store.verify_backup(rid)
         if problems:
@@ -88,7 +125,8 @@ def _choose(r: RollbackRun, i: int) -> None:
 
 
 def _journal(r: RollbackRun, i: int) -> None:
-    r.journal = r.nodes[i].begin_rollback(r.undo, r.now_on, r.to == ORIGINAL, r.oldest, r.lock)
+    r.journal = r.nodes[i].begin_rollback(r.undo, r.now_on, r.to == ORIGINAL, r.oldest, r.lock,
+                                          rollout=r.opts.rollout_id)
 
 
 def _restore(r: RollbackRun, i: int) -> None:
@@ -120,7 +158,7 @@ ROLLBACK: tuple[Phase, ...] = (
 )
 
 
-def rollback_host(session: HostSession, to: str | None, opts: DeployOptions, report: EventSink = quiet, *,
+def rollback_host(session: HostSession, to: str | UndoRollout | None, opts: DeployOptions, report: EventSink = quiet, *,
                   health_checked: bool = True, router: SmgRouter | None = None) -> HostResult:
     t0 = time.monotonic()
     rb = Runbook(session, report, health_checked=health_checked, router=router)

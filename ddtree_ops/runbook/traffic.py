@@ -48,7 +48,7 @@ class Traffic:
         try:
             router.check()
         except RouterError as e:
-            return [f"router {self.host.router.url}: {e}"]
+            return [str(e)]  # the router's errors name it already
         return []
 
     def leave_router(self, worker: str | None = None, *, required: bool = True) -> None:

@@ -131,6 +131,11 @@ class FakeHost:
         dist = f"{self.host.site_packages}/sglang-{SGLANG_VERSION}.dist-info/METADATA"
         self.write(dist, f"Metadata-Version: 2.1\nName: sglang\nVersion: {SGLANG_VERSION}\n".encode())
         self.write(f"{self.host.site_packages}/{UPSTREAM_REL}", UPSTREAM_BYTES)
+        # What the launch line names: the venv's interpreter (a stand-in file) and the models.
+        self.write(self.host.python, b"#!/bin/sh\n", mode=0o755)
+        for model in (self.host.model_path, self.host.draft_model_path):
+            if model.startswith("/"):
+                self.path(model).mkdir(parents=True, exist_ok=True)
         for u in self.host.conflicts:  # the DFlash unit serves, enabled
             self.write(f"/etc/systemd/system/{u}", b"[Service]\nExecStart=/bin/true\n")
             self.units[u] = FakeUnit(enabled="enabled")

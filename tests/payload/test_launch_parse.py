@@ -7,6 +7,7 @@ check runs after the new files are installed)."""
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -37,9 +38,11 @@ def _check(args, overlay):
 def test_sglangs_own_parser_accepts_the_rendered_ddtree_line_and_refuses_an_unknown_flag(tmp_path, sglang_overlay):
     line = launch_line(render_unit(fake_hosts(tmp_path, extra_args=["--mem-fraction-static", "0.8"])[0].host))
     assert line.sglang and "--speculative-ddtree-budget" in line.args
-    ok = _check(line.args, sglang_overlay)
+    # Three parses, each a fresh interpreter importing SGLang's parser (most of their time): side by
+    # side, each with its own agent.
+    with ThreadPoolExecutor(3) as pool:
+        ok, bad, pristine = pool.map(lambda job: _check(*job), [
+            (line.args, sglang_overlay), ([*line.args, "--no-such-flag", "1"], sglang_overlay), (line.args, None)])
     assert ok["rc"] == 0, ok["stderr"][-2000:]
-    bad = _check([*line.args, "--no-such-flag", "1"], sglang_overlay)
     assert bad["rc"] == 2 and "unrecognized arguments: --no-such-flag 1" in bad["stderr"]
-    pristine = _check(line.args, None)
     assert pristine["rc"] == 2 and "--speculative-ddtree-budget" in pristine["stderr"]

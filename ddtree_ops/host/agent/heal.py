@@ -238,7 +238,7 @@ def _heal_rollback(run, at):
         run.restore(rid)
         op_release_write(ReleaseWrite(run.state, rid, {
             "outcome": "rolled back (finished by the host: controller lost at %s)" % j.get("step"),
-            "rolled_back_at": at, "host_heal_at": at}))
+            "rolled_back_at": at, "host_heal_at": at, "rollback_rollout": j.get("rollout")}))
     if j.get("to_original"):
         run.restore("original")
     op_journal(Journal(run.state, journal=dict(j, step="services")))

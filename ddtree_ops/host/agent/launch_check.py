@@ -15,8 +15,10 @@ system manager (the tests' local agent), and one round trip to PID 1 is saved ri
 daemon-reload. The price is reading Environment=/EnvironmentFile= here by systemd's rules.
 """
 
+import base64
 import json
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -55,6 +57,29 @@ SGLANG_PARSE_ONLY = "\n".join([
     "parser.parse_args(argv)",
 ])
 
+# `plan`'s parse: the new files, staged in a scratch folder (its path the next argument), are
+# imported ahead of site-packages. A plain sys.path entry would not do: site-packages' `sglang`
+# is a regular package, so a scratch `sglang/` holding only the new files would be shadowed. A
+# finder first on sys.meta_path gives a module the scratch has (a new or a replaced one) from
+# there, and everything else from site-packages; a replaced package keeps its other modules.
+OVERLAY_FINDER = "\n".join([
+    "import importlib.machinery as _machinery, os as _os",
+    "_overlay = sys.argv.pop(1)",
+    "class _OverlayFinder(object):",
+    "    @classmethod",
+    "    def find_spec(cls, name, path=None, target=None):",
+    "        parts = name.split('.')",
+    "        where = _os.path.join(_overlay, *parts[:-1])",
+    "        spec = _machinery.PathFinder.find_spec(name, [where]) if _os.path.isdir(where) else None",
+    "        if spec is None or not _os.path.isfile(spec.origin or ''):",
+    "            return None",
+    "        if spec.submodule_search_locations is not None:",
+    "            spec.submodule_search_locations.extend(",
+    "                d for d in (_os.path.join(p, *parts) for p in sys.path) if _os.path.isdir(d))",
+    "        return spec",
+    "sys.meta_path.insert(0, _OverlayFinder)",
+])
+
 # `python -m MODULE --parse-only ARGS`, with the clean sys.path: runpy as -m runs a module.
 RUN_MODULE = "\n".join([
     "import runpy, sys",
@@ -83,14 +108,40 @@ def venv_sys_path(site_packages):
     return out
 
 
-def parse_argv(req: LaunchCheck, env):
-    """The parse's command line: isolated, no site, the clean sys.path as its first argument."""
+def parse_argv(req: LaunchCheck, env, overlay=None):
+    """The parse's command line: isolated, no site, the clean sys.path as its first argument;
+    with `overlay` (a scratch folder), its files imported first and no bytecode written (-B: the
+    dry run leaves no __pycache__ behind in site-packages)."""
     front = [p for p in env.get("PYTHONPATH", "").split(":") if p]
     paths = json.dumps([front, venv_sys_path(req.site_packages)])
+    flags, preamble, extra = ["-I", "-S"], CLEAN_SYS_PATH, []
+    if overlay:
+        flags, preamble, extra = ["-B", "-I", "-S"], CLEAN_SYS_PATH + "\n" + OVERLAY_FINDER, [overlay]
     if req.sglang:
-        return [req.python, "-I", "-S", "-c", CLEAN_SYS_PATH + "\n" + SGLANG_PARSE_ONLY, paths] + list(req.args)
-    return [req.python, "-I", "-S", "-c", CLEAN_SYS_PATH + "\n" + RUN_MODULE, paths, req.module,
-            "--parse-only"] + list(req.args)
+        return [req.python] + flags + ["-c", preamble + "\n" + SGLANG_PARSE_ONLY, paths] + extra + list(req.args)
+    return [req.python] + flags + ["-c", preamble + "\n" + RUN_MODULE, paths] + extra + [req.module,
+                                                                                        "--parse-only"] + list(req.args)
+
+
+def stage_overlay(scratch, files):
+    """The new files (relative path → base64) written into `scratch`, a fresh folder of root's
+    (nobody else can change what the parse imports), readable by the unit's user whatever the
+    agent's umask, outside site-packages."""
+    os.chmod(scratch, 0o755)
+    for rel, data in sorted(files.items()):
+        parts = [p for p in rel.split("/") if p]
+        if not parts or rel.startswith("/") or any(p in (".", "..") for p in parts):
+            raise ValueError("overlay path %r is not relative to site-packages" % rel)
+        folder = scratch
+        for part in parts[:-1]:
+            folder = os.path.join(folder, part)
+            if not os.path.isdir(folder):
+                os.mkdir(folder)
+                os.chmod(folder, 0o755)
+        fd = os.open(os.path.join(folder, parts[-1]), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(base64.b64decode(data))
+        os.chmod(os.path.join(folder, parts[-1]), 0o644)
 
 
 def _tail(fh):
@@ -132,7 +183,14 @@ def op_launch_check(req: LaunchCheck):
                              req.environment_files, req.working_directory)
     except UnitRefusal as e:
         return {"rc": SETUP_FAILED_RC, "stdout": "", "stderr": "", "refused": str(e), "holders": holders}
-    result = run_parse(parse_argv(req, run_as.env), run_as, float(req.timeout))
+    scratch = tempfile.mkdtemp(prefix="ddtree-ops-plan-") if req.overlay else None
+    try:
+        if scratch:
+            stage_overlay(scratch, req.overlay)
+        result = run_parse(parse_argv(req, run_as.env, scratch), run_as, float(req.timeout))
+    finally:
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
     if result["rc"] == SETUP_FAILED_RC and result["stderr"].startswith(SETUP_FAILED_PREFIX):
         result["refused"] = result["stderr"].strip()
     env_files = [f[1:] if f.startswith("-") else f for f in req.environment_files]

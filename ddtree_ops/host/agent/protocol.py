@@ -292,6 +292,22 @@ class LaunchCheck(Request):
     environment: List[str] = opt(factory=list)
     environment_files: List[str] = opt(factory=list)
     working_directory: Optional[str] = opt()
+    # `plan`: the new files (path relative to site-packages → base64), staged in a scratch folder
+    # the parse imports them from ahead of site-packages; the scratch is removed afterwards.
+    overlay: Dict[str, str] = opt(factory=dict)
+
+
+@dataclass
+class PathAccess(Request):
+    """Whether the unit's User=/Group= can read each path (`execute`: run it), checked by a
+    process that takes that identity; one answer per path, in order."""
+
+    OP = "path_access"
+    paths: List[str]
+    execute: List[bool] = opt(factory=list)  # per path: also executable (the venv's interpreter)
+    user: Optional[str] = opt()
+    group: Optional[str] = opt()
+    supplementary_groups: List[str] = opt(factory=list)
 
 
 @dataclass
@@ -300,9 +316,27 @@ class ProcInfo(Request):
     pids: List[int]
 
 
+@dataclass
+class WantedContent(Message):
+    path: str
+    sha256: str
+
+
+@dataclass
+class ReleaseContent(Request):
+    """Read only: the text of each path as it was with the given sha256, looked up in the
+    release store's backups (and the live file, for a path some backup lists); `diff` reads it."""
+
+    OP = "release_content"
+    state_dir: str
+    paths: List[WantedContent] = message_list(WantedContent)
+    max_bytes: int = 262144
+
+
 REQUESTS = {cls.OP: cls for cls in (
     Hello, Renew, Facts, Lock, Unlock, Journal, Compile, VerifyUnit, Backup, Install, Restore, VerifyBackup,
-    RemovePartial, ReleaseWrite, SetCurrent, History, Prune, Run, LaunchCheck, ProcInfo)}
+    RemovePartial, ReleaseWrite, SetCurrent, History, Prune, Run, LaunchCheck, PathAccess, ProcInfo,
+    ReleaseContent)}
 
 
 def decode_request(doc: Any) -> Request:
@@ -395,3 +429,36 @@ class RunResult(Message):
 @dataclass
 class RunReply(Message):
     results: List[RunResult] = message_list(RunResult)
+
+
+@dataclass
+class PathFact(Message):
+    """One path as the unit's process would meet it: `problem` None when it can use it."""
+
+    path: str
+    exists: bool
+    kind: str = opt("")  # file | dir | other
+    problem: Optional[str] = opt()
+
+
+@dataclass
+class PathAccessReply(Message):
+    facts: List[PathFact] = message_list(PathFact)
+    failed: Optional[str] = opt()  # the check could not run as the unit's identity (why)
+
+
+@dataclass
+class ContentItem(Message):
+    """One wanted path: `found` where a copy with its sha256 exists; `text` only for UTF-8 text
+    up to the request's max_bytes (`binary`/`size` say why not)."""
+
+    found: bool
+    source: Optional[str] = opt()  # "backup" or "live"
+    text: Optional[str] = opt()
+    binary: bool = opt(False)
+    size: Optional[int] = opt()
+
+
+@dataclass
+class ReleaseContentReply(Message):
+    items: List[ContentItem] = message_list(ContentItem)

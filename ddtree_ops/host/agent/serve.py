@@ -20,6 +20,7 @@ import sys
 import time
 
 from .backup import op_backup, op_restore, op_verify_backup
+from .content import op_release_content
 from .errors import AgentError
 from .facts import op_facts
 from .install import op_install
@@ -27,6 +28,7 @@ from .interpreter import interpreter_problem
 from .launch_check import op_launch_check
 from .lease import Expiry, Lease, expire, lease_clock
 from .lock import LockState, mark_orphaned, op_lock, op_unlock
+from .path_access import op_path_access
 from .procs import op_proc_info
 from .protocol import (
     Backup,
@@ -40,8 +42,10 @@ from .protocol import (
     LaunchCheck,
     Lock,
     Message,
+    PathAccess,
     ProcInfo,
     Prune,
+    ReleaseContent,
     ReleaseWrite,
     RemovePartial,
     Renew,
@@ -102,6 +106,7 @@ OPS = {
     Restore: op_restore, ReleaseWrite: op_release_write, SetCurrent: op_set_current, History: op_history,
     Prune: op_prune, VerifyBackup: op_verify_backup, RemovePartial: op_remove_partial,
     VerifyUnit: op_verify_unit, Run: op_run, LaunchCheck: op_launch_check, ProcInfo: op_proc_info,
+    PathAccess: op_path_access, ReleaseContent: op_release_content,
 }
 
 

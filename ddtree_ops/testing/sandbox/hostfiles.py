@@ -20,6 +20,8 @@ from ddtree_ops.config.inventory import Host
 from .layout import (
     DDTREE_UNIT,
     DFLASH_UNIT,
+    DRAFT_MODEL_PATH,
+    MODEL_PATH,
     SANDBOX_RUN,
     SECRETS_CONFIG,
     SERVER_PORT,
@@ -55,8 +57,8 @@ def inventory_doc(hosts: list[SandboxHost], *, client_key: Path, known_hosts: Pa
                 "listen_host": "0.0.0.0",
                 # The stand-in accepts SGLang's launch flags; a real host runs sglang.launch_server.
                 "launch_module": STANDIN_MODULE,
-                "model_path": "/models/Kimi-K2.6",
-                "draft_model_path": "/models/Kimi-K2.6-DFlash",
+                "model_path": MODEL_PATH,
+                "draft_model_path": DRAFT_MODEL_PATH,
                 "tp": 8,
                 "budget": 16,
                 "topk_cap": 4,
@@ -209,6 +211,10 @@ def _prepare_host_files(h: SandboxHost, host: Host, client_pub: Path,
     # A real venv, relocated by a bind mount to /opt/venv_sglang inside the host.
     venv = d / "opt" / "venv_sglang"
     run([_base_python(), "-m", "venv", "--without-pip", str(venv)])
+    for model in (MODEL_PATH, DRAFT_MODEL_PATH):  # what the launch line names, readable by the unit
+        folder = d / "opt" / Path(model).relative_to("/opt")
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text("{}\n")
     # site-packages is an overlay inside the host (a mount unit, see container.py): the cached wheel
     # tree below (never written), this host's changes above. Real files to every reader, and a reset
     # is an empty folder instead of copying 6,000 files.

@@ -16,6 +16,10 @@ DFLASH_UNIT = "sglang-k26-dflash-cg.service"
 SERVER_PORT = 30000
 # What the units run on a sandbox host instead of sglang.launch_server.
 STANDIN_MODULE = "ddtree_ops.testing.standin"
+# The model folders the launch line names: they exist on every host (under /opt, which is the
+# host's own), since preflight refuses a model_path the unit's user cannot read.
+MODEL_PATH = "/opt/models/Kimi-K2.6"
+DRAFT_MODEL_PATH = "/opt/models/Kimi-K2.6-DFlash"
 # Where `write_secrets_config` puts a host's secrets_config (the YAML file SGLang's --config reads
 # the API key from). Under /var/lib, which is the host's own; a real host would use /etc/sglang.
 SECRETS_CONFIG = "/var/lib/sglang-secrets/ddtree-secrets.yaml"

@@ -22,12 +22,15 @@ Endpoints: ``/health``, ``/health_generate``, ``/ready``, ``/model_info``
 needs ``Authorization: Bearer KEY``.
 
 ``/generate`` runs a tiny seeded toy model (vocabulary of 64 tokens, Markov in the last
-token). Where the payload module ``sglang.srt.speculative.ddtree_utils`` provides
-``build_ddtree_tree``, ``compile_ddtree_retrieve`` and a tree sampling function, every
-decode step builds a DDTree from toy draft log-probs and verifies it with that sampling
-function, so the reported accept length is real; otherwise (or when a payload function
-raises, which is logged with its traceback) generation is autoregressive with accept
-length 1.0.
+token), paced by a clock with the release's accept length (``state``'s docstring). Where the
+payload module ``sglang.srt.speculative.ddtree_utils`` provides ``build_ddtree_tree``,
+``compile_ddtree_retrieve`` and a tree sampling function, that accept length is measured once at
+start-up by building DDTrees from toy draft log-probs and verifying them with that sampling
+function (``calibration``), so it is the payload's own; a payload function that raises there is
+logged with its traceback and the server decodes with accept length 1.0. With
+``--speculative-algorithm DDTREE`` and no payload functions, the accept length is the documented
+formula's (``state.default_accept_length``). No payload maths runs per request: a busy machine
+slows every release alike.
 
 Fault and timing knobs (passed through the inventory's ``extra_args``) are the
 ``--standin-*`` flags (``args.build_parser``); ``DDTREE_STANDIN_LOAD_SECONDS`` in the
@@ -42,12 +45,13 @@ stand-in's own lines (recorded flags) and ``/server_info`` mask secret-named val
 (``ddtree_ops.config.redaction``).
 
 Needs only the standard library and ``ddtree_ops.config.redaction`` (PyYAML with ``--config``, as
-SGLang); torch is imported lazily, on the DDTree path only.
+SGLang); torch is imported lazily, to measure a DDTree payload only.
 
 Modules, by concern:
 
     args       the launch flags: --config merged, parsed, unknown ones recorded, secrets masked
     payload    the DDTree modules: found beside sglang, imported, their functions looked up
+    calibration  the payload's accept length, measured once at start-up
     toymodel   the toy model, sampling, autoregressive and DDTree decoding
     state      what the server answers: info documents, /generate, counters
     server     HTTP: the handler and the threading server
@@ -58,13 +62,15 @@ Modules, by concern:
 from __future__ import annotations
 
 from .args import build_parser, masked, record_unknown
+from .calibration import Calibration, calibrate
 from .payload import find_site_packages, list_ddtree_modules, lookup_ddtree_functions, prepare_parent_packages
 from .state import SGLANG_VERSION, State
 from .timeline import main, run
 from .toymodel import ToyModel, ddtree_step, generate_autoregressive
 
 __all__ = [
-    "SGLANG_VERSION", "State", "ToyModel", "build_parser", "ddtree_step", "find_site_packages",
+    "SGLANG_VERSION", "Calibration", "State", "ToyModel", "build_parser", "calibrate", "ddtree_step",
+    "find_site_packages",
     "generate_autoregressive", "list_ddtree_modules", "lookup_ddtree_functions", "main", "masked",
     "prepare_parent_packages", "record_unknown", "run",
 ]

@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "is not given: the decode rate at accept length 1 (default 400)")
     g.add_argument("--standin-accept-length", type=float, default=None, metavar="A",
                    help="average accept length (tokens committed per verify step, >= 1) reported and paced. "
-                        "Default: measured by the DDTree payload when it runs; else, with "
+                        "Default: measured from the DDTree payload once at start-up (greedy and at temperature 1, "
+                        "a request's interpolated by its temperature); else, with "
                         "--speculative-algorithm DDTREE, 1 + log2(1 + budget/4) + (min(topk_cap, budget) - 1)/4; "
                         "else 1.0")
     g.add_argument("--standin-gpu-dir", default="/run/ddtree-sandbox/gpu", metavar="DIR",

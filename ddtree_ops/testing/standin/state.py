@@ -4,18 +4,24 @@ or not) and the Prometheus text of /metrics.
 Pacing (per request, as one server with room for every request would serve it): after admission (a
 free slot under SGLang's --max-running-requests, when given) the prefill takes --standin-ttft-seconds,
 then the first verify step's tokens come (the first stream chunk), then one chunk per verify step.
-A verify step commits the accept length's worth of tokens: what the DDTree payload's tree verify
-accepted when it runs, else `accept_length()` tokens on average. A step takes n/R seconds with
+A verify step commits the release's accept length's worth of tokens (`State.accept_length`: step i
+commits floor((i+1)A) - floor(iA)): the --standin-accept-length knob; else what the DDTree payload
+accepted when it was measured at start-up (calibration.py); else, with DDTREE and no payload
+functions, `default_accept_length`'s formula; else 1. A step takes n/R seconds with
 --standin-tokens-per-second R, else 1/N with --standin-verify-steps-per-second N (default
 BASE_VERIFY_STEPS_PER_SECOND), so the decode rate is N x the accept length tokens/s.
 
-Steps are scheduled on an absolute clock, so the work of a step (the payload's tree verify costs
-about 2 ms of CPU, under the GIL) hides in the wait; a process asked for more steps per second than
-its CPU gives runs late, and every request slows alike."""
+The tokens themselves are the toy model's, sampled one by one (a few microseconds each; a tree
+verify is lossless, so they follow the same distribution as the payload's), and the steps are
+scheduled on an absolute clock: no maths of the payload runs per request, so a busy machine delays
+a chunk but not the ones after it, and every release slows alike (the same verdict of the perf gate
+on a busy machine as on an idle one)."""
 
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import math
 import random
 import threading
@@ -29,14 +35,14 @@ from typing import Any
 from ddtree_ops.config.redaction import MASK
 
 from .args import masked
+from .calibration import Calibration, calibrate
 from .logs import log
-from .payload import lookup_ddtree_functions
+from .payload import PayloadError, lookup_ddtree_functions
 from .toymodel import (
     ToyModel,
     _params,
     _prompt_tokens,
     _seed_of,
-    ddtree_step,
     detokenize,
     iter_autoregressive,
 )
@@ -199,6 +205,7 @@ class State:
         self.total_committed = 0
         self.generate_count = 0
         self.ddtree_fns = lookup_ddtree_functions()
+        self.calibration: Calibration | None = None  # set by `calibrate_payload`
         self.payload_errors = 0
         self.start_time = time.time()
         self.metrics = Metrics()
@@ -223,17 +230,43 @@ class State:
     def served_model_name(self) -> str:
         return self.args.served_model_name or self.args.model_path
 
-    def accept_length(self) -> float | None:
-        """Tokens per verify step a request is paced and counted with; None: the payload's tree verify
-        measures them (each step commits what it accepted). See `args.build_parser`'s help."""
+    def calibrate_payload(self) -> None:
+        """Measure the payload's accept length once (calibration.py), before the server is ready; a
+        payload function that raises is logged with its traceback, and requests decode
+        autoregressively (accept length 1)."""
+        if self.ddtree_fns is None:
+            return
+        try:
+            self.calibration = calibrate(self.ddtree_fns, self.budget(), self.topk_cap())
+        except PayloadError as exc:
+            self.payload_errors += 1
+            log(f"DDTree payload error at start-up, falling back to autoregressive decoding: "
+                f"{exc}\n{traceback.format_exc()}", "TP0")
+
+    def accept_length(self, temperature: float) -> float:
+        """Tokens per verify step a request at `temperature` is paced and counted with (see the
+        module's docstring and `args.build_parser`'s help)."""
         a = self.args
         if a.standin_accept_length is not None:
             return max(1.0, float(a.standin_accept_length))
+        if self.calibration is not None:
+            return self.calibration.accept_length(temperature)
         if self.ddtree_fns is not None:
-            return None
+            return 1.0  # the payload raised when measured
         if (a.speculative_algorithm or "").upper() == "DDTREE":
             return default_accept_length(self.budget(), self.topk_cap())
         return 1.0
+
+    def describe_accept_length(self) -> str:
+        """The start-up log's words for where the accept length comes from."""
+        a = self.args
+        if a.standin_accept_length is not None:
+            return f"{self.accept_length(0.0):.2f} (--standin-accept-length)"
+        if self.calibration is not None:
+            return f"measured from the payload at start-up: {self.calibration.describe()}"
+        if self.ddtree_fns is not None:
+            return "1.00 (the payload raised when measured)"
+        return f"{self.accept_length(0.0):.2f}"
 
     def num_draft_tokens(self) -> int:
         """Tokens verified per request and step: --speculative-num-draft-tokens, else DFlash's default
@@ -386,9 +419,7 @@ class Generation:
         self.arrival = time.monotonic()
         self.prompt = _prompt_tokens(text)
         self.incremental = stream and state.incremental_streaming
-        self.used_ddtree = False
-        self.accepted_drafts = 0
-        self.max_depth = 0
+        self.used_ddtree = state.calibration is not None  # paced with what the payload accepts
         self.done = False
         self._slot_held = False
         self._admitted = False
@@ -412,54 +443,14 @@ class Generation:
         return last
 
     # -- tokens ---------------------------------------------------------------------
-    def _payload_steps(self, model: ToyModel, last: int, seed: int) -> Iterator[list[int]]:
-        """Verify steps with the DDTree payload (each step: the tokens it commits); on a payload error
-        (logged with its traceback) autoregressive steps from there on."""
-        st = self.state
-        fns = st.ddtree_fns
-        if fns is not None and self.max_new > 0:
-            try:
-                import torch  # lazy: the payload imports it anyway
-
-                _one_torch_thread(torch)
-                gen = torch.Generator().manual_seed(seed & 0x7FFFFFFFFFFFFFFF)
-                while True:
-                    with _PAYLOAD_LOCK:
-                        committed, n, depth = ddtree_step(fns, torch, model, last, self.params, st.budget(),
-                                                          st.topk_cap(), gen)
-                    self.used_ddtree = True
-                    self.accepted_drafts += n
-                    self.max_depth = max(self.max_depth, depth)
-                    last = committed[-1]
-                    yield committed
-            except Exception as exc:  # noqa: BLE001 - any payload failure falls back
-                with st.lock:
-                    st.payload_errors += 1
-                self.used_ddtree = False
-                log(f"DDTree payload error in /generate, falling back to autoregressive "
-                    f"decoding: {exc}\n{traceback.format_exc()}", "TP0")
-        for tok in iter_autoregressive(model, last, self.params, random.Random(seed)):
-            yield [tok]
-
     def _steps(self) -> Iterator[list[int]]:
+        """Verify steps: each the tokens it commits, the request's accept length A on average."""
         seed = _seed_of(self.text)
-        steps = self._payload_steps(ToyModel(seed), self.prompt[-1], seed)
-        a = self.state.accept_length()
-        if a is None:
-            yield from steps
-            return
-        # A fixed accept length: step i commits floor((i+1)A) - floor(iA) tokens (>= 1, A on average).
-        buf: list[int] = []
-        i = 0
-        for step in steps:
-            buf.extend(step)
-            while True:
-                want = math.floor((i + 1) * a + 1e-9) - math.floor(i * a + 1e-9)
-                if len(buf) < want:
-                    break
-                yield buf[:want]
-                buf = buf[want:]
-                i += 1
+        tokens = iter_autoregressive(_toy_model(seed), self.prompt[-1], self.params, random.Random(seed))
+        a = self.state.accept_length(self.params[0])
+        for i in itertools.count():
+            want = math.floor((i + 1) * a + 1e-9) - math.floor(i * a + 1e-9)
+            yield list(itertools.islice(tokens, want))
 
     # -- the paced stream -----------------------------------------------------------
     def chunks(self) -> Iterator[dict[str, Any]]:
@@ -597,23 +588,10 @@ class Generation:
         }
 
 
-_TORCH_THREADS_SET = False
-# One DDTree step at a time: its torch calls let go of the GIL many times per step, and requests
-# stepping side by side in threads then wait for it again and again (measured: 4 concurrent
-# streams made less than half the tokens of one); steps in turn cost each just its own CPU time.
-_PAYLOAD_LOCK = threading.Lock()
-
-
-def _one_torch_thread(torch) -> None:
-    """A DDTree step works on tensors of a few hundred elements: torch's intra-op threads only cost
-    (2.5x per step measured on 2 cores), and requests run side by side in threads anyway."""
-    global _TORCH_THREADS_SET
-    if not _TORCH_THREADS_SET:
-        _TORCH_THREADS_SET = True
-        try:
-            torch.set_num_threads(1)
-        except Exception:  # noqa: BLE001 - an optimisation only
-            pass
+@functools.lru_cache(maxsize=64)
+def _toy_model(seed: int) -> ToyModel:
+    """A prompt's toy model, kept: its rows and sampling tables cost more CPU than its tokens."""
+    return ToyModel(seed)
 
 
 def _bool(flag: bool) -> str:

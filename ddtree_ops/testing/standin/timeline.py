@@ -297,6 +297,7 @@ def run(argv: list[str] | None = None) -> int:
         state = State(args, extra, imported, site_packages)
         global _STATE
         _STATE = state
+        state.calibrate_payload()  # CPU-bound: done once here, with the port closed, never per request
 
         # SGLang 0.5.23 captures the decode graph (the verify graph with speculative decoding) after
         # the memory pools: model_runner_components/cuda_graph_setup.py capture_decode_graph.
@@ -323,19 +324,19 @@ def run(argv: list[str] | None = None) -> int:
             f"scheduler_e2e={startup['scheduler_e2e']:.2f}, cuda_graph={{{graphs}}}, "
             f"tokenizer_e2e={startup['tokenizer_e2e']:.2f}")
         if modules and state.ddtree_fns is None:
-            log("DDTree functions for /generate not found in sglang.srt.speculative.ddtree_utils "
-                "(build_ddtree_tree, compile_ddtree_retrieve, tree sampling): /generate decodes "
-                "autoregressively", "TP0")
-        elif state.ddtree_fns is not None:
-            log(f"/generate exercises the DDTree payload (budget={state.budget()}, "
-                f"topk_cap={state.topk_cap()}, sampler={state.ddtree_fns.sampling_name})", "TP0")
-        accept = state.accept_length()
+            log("DDTree functions not found in sglang.srt.speculative.ddtree_utils "
+                "(build_ddtree_tree, compile_ddtree_retrieve, tree sampling): /generate is paced with "
+                "the documented formula's accept length", "TP0")
+        elif state.calibration is not None:
+            log(f"DDTree payload measured at start-up (budget={state.budget()}, "
+                f"topk_cap={state.topk_cap()}, sampler={state.ddtree_fns.sampling_name}): "
+                f"{state.calibration.describe()}", "TP0")
         rate = args.standin_tokens_per_second
         steps = args.standin_verify_steps_per_second
         if not steps or steps <= 0:
             steps = BASE_VERIFY_STEPS_PER_SECOND
         log(f"Stand-in pacing: prefill {max(0.0, args.standin_ttft_seconds):.3f} s, accept length "
-            f"{'measured by the payload' if accept is None else f'{accept:.2f}'}, decode "
+            f"{state.describe_accept_length()}, decode "
             f"{f'{rate:g} tokens/s' if rate and rate > 0 else f'{steps:g} verify steps/s'}"
             f" per request" + (f"; each generation takes {args.standin_generate_seconds:g} s"
                                if args.standin_generate_seconds > 0 else ""), "TP0")

@@ -100,7 +100,11 @@ def test_restart_really_replaces_the_process(fresh_host):
     fresh_host.ssh(["systemctl", "restart", DFLASH])
     after = _wait(lambda: fresh_host.main_pid(DFLASH) not in (None, before) and fresh_host.main_pid(DFLASH))
     assert after and after != before
-    assert not os.path.exists(f"/proc/{before}") or open(f"/proc/{before}/stat").read().split(")")[1].split()[0] == "Z"
+    # The PID is the container's: look in its /proc, not this machine's (another process here may
+    # have the same number).
+    gone = fresh_host.ssh(["sh", "-c", 'test ! -e "/proc/$1" || grep -q "^State:[[:space:]]*Z" "/proc/$1/status"',
+                           "sh", str(before)], check=False)
+    assert gone.ok, f"the old server {before} still runs in the host after the restart"
 
 
 def test_restart_policy_respawns_the_server_after_kill_9(fresh_host):

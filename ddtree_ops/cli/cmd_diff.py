@@ -5,10 +5,7 @@ from __future__ import annotations
 import typer
 
 from ..config.terminal import terminal_safe
-from .common import emit_json, guard
-
-INVENTORY_OPT = typer.Option(..., "--inventory", "-i", envvar="DDTREE_OPS_INVENTORY",
-                             help="Inventory file (or $DDTREE_OPS_INVENTORY).")
+from .common import INVENTORY_OPT, emit_json, guard
 
 
 def _short(sha: str | None) -> str:

@@ -14,11 +14,7 @@ import typer
 
 from ..config.terminal import terminal_safe
 from ..errors import EXIT_ERROR
-from .common import guard, interrupted, log
-
-INVENTORY_OPT = typer.Option(..., "--inventory", "-i", envvar="DDTREE_OPS_INVENTORY",
-                             help="Inventory file (or $DDTREE_OPS_INVENTORY).")
-LIMIT_OPT = typer.Option(None, "--limit", "-l", help="Host names, group names or globs, comma-separated.")
+from .common import INVENTORY_OPT, LIMIT_OPT, guard, interrupted, log
 
 
 class PrefixedPrinter:

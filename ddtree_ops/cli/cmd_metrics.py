@@ -8,11 +8,7 @@ from typing import Optional
 
 import typer
 
-from .common import guard, log, output_file
-
-INVENTORY_OPT = typer.Option(..., "--inventory", "-i", envvar="DDTREE_OPS_INVENTORY",
-                             help="Inventory file (or $DDTREE_OPS_INVENTORY).")
-LIMIT_OPT = typer.Option(None, "--limit", "-l", help="Host names, group names or globs, comma-separated.")
+from .common import INVENTORY_OPT, LIMIT_OPT, guard, log, output_file
 
 
 def check_out(out: str) -> str:

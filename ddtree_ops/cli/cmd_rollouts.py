@@ -16,12 +16,9 @@ import typer
 from rich.table import Table
 
 from ..config.terminal import terminal_safe
-from ..host.hooks import NO_HOOKS, Hooks
-from .common import emit_json, guard, log
+from ..host.hooks import Hooks
+from .common import INVENTORY_OPT, LIMIT_OPT, emit_json, guard, hooks_of, log
 
-INVENTORY_OPT = typer.Option(..., "--inventory", "-i", envvar="DDTREE_OPS_INVENTORY",
-                             help="Inventory file (or $DDTREE_OPS_INVENTORY).")
-LIMIT_OPT = typer.Option(None, "--limit", "-l", help="Host names, group names or globs, comma-separated.")
 ROLLOUT_OPT = typer.Option(..., "--rollout", metavar="ID", help="A rollout id (`ddtree-ops rollouts` lists them).")
 
 
@@ -38,8 +35,6 @@ class CommandKit:
     warn: Callable[[str], None]
 
 
-def _hooks(ctx: typer.Context) -> Hooks:
-    return ctx.obj if isinstance(ctx.obj, Hooks) else NO_HOOKS
 
 
 def _records(hosts, accept_new_host_keys: bool, hooks: Hooks, forks: int):
@@ -139,7 +134,7 @@ def rollouts_command(kit: CommandKit):
 
         def body():
             check_forks(forks)
-            records = _records(kit.hosts(inventory, limit), accept_new_host_keys, _hooks(ctx), forks)
+            records = _records(kit.hosts(inventory, limit), accept_new_host_keys, hooks_of(ctx), forks)
             infos = list_rollouts(records)[:last]
             unread = [{"host": r.host, "error": r.error} for r in records if r.history is None]
             code = 1 if unread else 0
@@ -236,7 +231,7 @@ def promote_command_for(kit: CommandKit):
         def body():
             kit.report_path(report)
             info, rest, notes = _promote_targets(kit, inventory, limit, rollout, forks=forks,
-                                                 accept_new_host_keys=accept_new_host_keys, hooks=_hooks(ctx))
+                                                 accept_new_host_keys=accept_new_host_keys, hooks=hooks_of(ctx))
             check_rollout_flags(max(len(rest), 1), forks=forks, canary=0, batch=batch, max_fail=max_fail,
                                 max_unavailable=max_unavailable)
             if not rest:
@@ -253,7 +248,7 @@ def promote_command_for(kit: CommandKit):
             opts = _promote_options(info, ps, b)
             res = rolling_deploy(rest, ps, opts, canary=0, batch=batch, max_fail=max_fail, forks=forks,
                                  keep_updated=keep_updated, accept_new_host_keys=accept_new_host_keys,
-                                 progress=make_progress(pool_reader(rest)), notes=notes, hooks=_hooks(ctx),
+                                 progress=make_progress(pool_reader(rest)), notes=notes, hooks=hooks_of(ctx),
                                  policy=policy, milestones=rollout_notifier(rest, "deploy", opts, kit.warn,
                                                                             patchset=ps.label, bundle=opts.bundle_id))
             return kit.print_rollout(res, as_json, {"patchset": ps.label, "bundle": opts.bundle_id,

@@ -18,12 +18,12 @@ from ..config.terminal import terminal_safe
 from ..errors import EXIT_ERROR, DdtreeOpsError, InputError
 from ..host.hooks import NO_HOOKS, Hooks
 from .cmd_meta import register as register_meta
+from .common import INVENTORY_OPT, LIMIT_OPT, hooks_of, output_file
 from .common import confirm as _confirm
 from .common import emit_json as _emit_json
 from .common import guard as _guard
 from .common import interrupted as _interrupted
 from .common import log as _log
-from .common import output_file
 
 EXIT_CODES_HELP = (
     "Exit codes: 0 ok; 2 bad input, preflight refusal or a declined prompt (nothing changed); 3 deploy failed and "
@@ -58,9 +58,6 @@ _mount_plugins()
 # ---------------------------------------------------------------------------------------------
 # render / plan / deploy / rollback / history
 
-INVENTORY_OPT = typer.Option(..., "--inventory", "-i", envvar="DDTREE_OPS_INVENTORY",
-                              help="Inventory file (or $DDTREE_OPS_INVENTORY). No default: name production explicitly.")
-LIMIT_OPT = typer.Option(None, "--limit", "-l", help="Host names, group names or globs, comma-separated.")
 DEFAULT_PATCHSET = "ddtree-temp"
 PATCHSET_OPT = typer.Option(None, "--patchset", "-p",
                             help=f"A name under patches/ or a patch-set folder (default {DEFAULT_PATCHSET}).")
@@ -371,7 +368,7 @@ def deploy(
             opts.marginal, opts.ask = "ask", _asker(progress)
         res = rolling_deploy(targets, ps, opts, canary=canary, batch=batch, max_fail=max_fail, forks=forks,
                              keep_updated=keep_updated, accept_new_host_keys=accept_new_host_keys,
-                             progress=progress, notes=notes, hooks=_hooks(ctx), policy=policy,
+                             progress=progress, notes=notes, hooks=hooks_of(ctx), policy=policy,
                              milestones=rollout_notifier(targets, "deploy", opts, _warn, patchset=ps.label,
                                                          bundle=b.id if b else None))
         promote = stopped_after_canary(res, promote_command(res.rollout_id, inventory, limit,
@@ -426,7 +423,7 @@ def rollback(
         target_release = to or "the previous release"
         if rollout:
             targets, left = undo_targets(targets, rollout, accept_new_host_keys=accept_new_host_keys,
-                                         hooks=_hooks(ctx), forks=forks)
+                                         hooks=hooks_of(ctx), forks=forks)
             notes, target_release = [*notes, *left], f"what they ran before rollout {rollout}"
             if not targets:
                 _log("\n".join([*left, f"rollout {rollout}: no selected host is on it any more; nothing to roll back"]))
@@ -438,7 +435,7 @@ def rollback(
                              rollout_id=new_rollout_id())
         res = rolling_rollback(targets, UndoRollout(rollout) if rollout else to, opts, batch=batch, forks=forks,
                                accept_new_host_keys=accept_new_host_keys,
-                               progress=make_progress(pool_reader(targets)), notes=notes, hooks=_hooks(ctx),
+                               progress=make_progress(pool_reader(targets)), notes=notes, hooks=hooks_of(ctx),
                                policy=policy,
                                milestones=rollout_notifier(targets, "rollback", opts, _warn))
         return _print_rollout(res, as_json, report=report,
@@ -567,9 +564,6 @@ def _register_commands() -> None:
 _register_commands()
 
 
-def _hooks(ctx: typer.Context) -> Hooks:
-    """The test hooks `main` was given (none for an operator's run)."""
-    return ctx.obj if isinstance(ctx.obj, Hooks) else NO_HOOKS
 
 
 register_meta(app)  # --version, `completion`, the defaults file (cmd_meta.py); listed last

@@ -16,6 +16,7 @@ import typer
 
 from ..config.terminal import terminal_safe
 from ..errors import DdtreeOpsError, Declined, InputError
+from ..host.hooks import NO_HOOKS, Hooks
 from ..runbook.describe import interrupt_label
 
 
@@ -74,3 +75,16 @@ def output_file(flag: str, path: str, example: str) -> str:
     if os.path.isdir(path):
         raise InputError(f"{flag} {path}: is a folder; give a file name such as {example}")
     return path
+
+
+# The options every command that reaches hosts takes, defined once for all the command modules.
+INVENTORY_OPT = typer.Option(..., "--inventory", "-i", envvar="DDTREE_OPS_INVENTORY",
+                             help="Inventory file (or $DDTREE_OPS_INVENTORY). No default: name production explicitly.")
+LIMIT_OPT = typer.Option(None, "--limit", "-l",
+                         help="An Ansible host pattern: names, groups, globs, ~regex; ',' or ':' separated; "
+                              "'!' excludes, '&' intersects.")
+
+
+def hooks_of(ctx: typer.Context) -> Hooks:
+    """The test hooks `main` was given (none for an operator's run)."""
+    return ctx.obj if isinstance(ctx.obj, Hooks) else NO_HOOKS

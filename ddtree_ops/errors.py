@@ -106,6 +106,11 @@ class UnreachableError(DdtreeOpsError):
     """The host cannot be reached over SSH (refused, timeout, auth failure)."""
 
 
+class AuthRefused(UnreachableError):
+    """The host's sshd refused the authentication: retried once (an sshd half up), final when it
+    repeats (host/first_contact.py)."""
+
+
 class RemoteCommandError(DdtreeOpsError):
     """A remote command failed unexpectedly."""
 

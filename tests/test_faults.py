@@ -282,29 +282,43 @@ def test_sigkill_at_each_point_frees_the_lock_and_the_next_plain_run_repairs(cle
 # ---------------------------------------------------------------------------------------------
 # A fault at a named remote call, one per phase (the fast tier covers every call on fake hosts)
 
-# (kind, call, n): the n-th call of that name fails ("fail") or the SSH connection is cut just
-# before it ("drop"); see ddtree_ops/testing/pause_points.py.
+# (kind, call, n): the n-th call of that name fails ("fail": rolled back, exit 3) or the SSH
+# connection is cut just before it ("drop": resumed, exit 0); see ddtree_ops/testing/pause_points.py.
 PHASE_FAULTS = [
     ("fail", "journal", 1),                  # recording the release, before the backup
     ("drop", "backup", 1),                   # backup
     ("fail", "install", 2),                  # the unit, after the files
     ("drop", "systemctl stop", 1),           # stopping DFlash
     ("fail", "systemctl restart", 1),        # restart
+    ("lost-answer", "systemctl restart", 1),  # restart done, its answer lost: not sent again
     ("drop", "probe", 2),                    # waiting for the weights
     ("fail", "set_current", 1),              # commit
     ("fail", "prune", 1),                    # housekeeping after the commit
 ]
 
 
+def _starts_since(th, since: str) -> int:
+    """How many times systemd started the deployed unit since the host's time `since`."""
+    out = th.ssh(["journalctl", "-u", DDTREE, "--since", since, "-o", "cat", "--no-pager"], check=False).stdout
+    return sum(1 for line in out.splitlines() if line.startswith("Started "))
+
+
 def _fault_then_checked(th, tmp: Path, kind: str, call: str, nth: int):
     tmp.mkdir(parents=True, exist_ok=True)
     ps = three_files(tmp, "F")
+    since = th.ssh(["date", "+%Y-%m-%d %H:%M:%S"]).stdout.strip()
     r = run_cli(*deploy_args(th, ps), env={FAULT: f"{kind}:{call}:{nth}"})
     res = host_result(r)
     where = f"{kind} at {call} #{nth}: exit {r.code}: {res.get('message')}"
     if call == "prune":  # committed; the housekeeping failure is said, not undone
         assert r.code == 0 and res["outcome"] == "deployed" and "pruning old releases failed" in res["message"], where
         assert_on_release(th, ps)
+    elif kind in ("drop", "lost-answer"):  # a lost connection: reconnected, the phase resumed, deployed
+        assert r.code == 0 and res["outcome"] == "deployed" and res["reconnects"] == 1, where
+        assert_on_release(th, ps)
+        assert _starts_since(th, since) == 1, where  # the restart sent once, whatever the cut
+        if (kind, call) == ("lost-answer", "systemctl restart"):  # seen in systemd's InvocationID
+            assert any("not restarted again" in st["detail"] for st in res["steps"]), res["steps"]
     elif r.code == 3:
         assert res["outcome"] == "rolled_back", where
         assert_pre_deploy(th)
@@ -904,14 +918,21 @@ def _connection_cut(th, start_cli, sshd_control, tmp: Path, comes_back_after: fl
     assert agent_alive(th, agent, inside=True)
     marker.unlink(missing_ok=True)
     if comes_back_after is not None:
-        # The tool keeps reconnecting; sshd is back in a few seconds: rolled back, exit 3.
+        # The tool keeps reconnecting; sshd is back in a few seconds: the install resumes (every
+        # file written again, atomically) and the deploy ends on the one whole new release.
         time.sleep(comes_back_after)
         start(th.name)
-        r = p.wait(240)
-        assert r.code == 3, r.stderr
+        t0 = time.monotonic()
+        while p.proc.poll() is None and time.monotonic() - t0 < 240:  # the resumed install pauses again
+            marker.unlink(missing_ok=True)
+            time.sleep(0.1)
+        r = p.wait(10)
+        assert r.code == 0, r.stderr
         res = host_result(r)
-        assert res["failed_step"] == "install" and "connection lost" in res["message"], res
-        assert "reconnecting to roll back" in r.stderr
+        assert res["outcome"] == "deployed" and res["reconnects"] >= 1, res
+        assert "reconnecting to resume backup and install" in r.stderr
+        assert_on_release(th, ps)
+        assert run_cli(*rollback_args(th, "--to", "original")).code == 0
         assert_pre_deploy(th)
     else:
         # sshd stays down past the reconnect window: exit 4, the report says what to do.

@@ -106,8 +106,37 @@ def routed_fleet(sandbox, clean_hosts, tmp_path):
         smg.stop(info)
 
 
-def test_a_rolling_deploy_and_a_rollback_through_smg_fail_no_request(routed_fleet, good_patchset, record_property,
-                                                                      tmp_path):
+class SshdDown:
+    """A host's sshd stopped now and started again `seconds` later, on a thread (and at exit,
+    whatever happened): the first connection of the command started meanwhile is refused."""
+
+    def __init__(self, sandbox, name: str, seconds: float):
+        self.sandbox, self.name = sandbox, name
+        self._timer = threading.Timer(seconds, self._start)
+        self._started = threading.Lock()
+        self.up = False
+
+    def _start(self) -> None:
+        with self._started:
+            if not self.up:
+                self.sandbox.start_sshd(self.name)
+                self.up = True
+
+    def __enter__(self) -> SshdDown:
+        self.sandbox.stop_sshd(self.name)
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._timer.join(60)
+        self._start()
+
+
+def test_a_rolling_deploy_and_a_rollback_through_smg_fail_no_request(routed_fleet, sandbox, good_patchset,
+                                                                      record_property, tmp_path):
+    """The rollback's first host (sbx1) has its sshd down for 3 s as the rollback starts: its first
+    contact is retried (it once ended that host's rollback at once, leaving it on the new release
+    while the three others rolled back), and every host rolls back."""
     from ddtree_ops.testing.sandbox import smg
 
     inv, env, info = routed_fleet
@@ -120,7 +149,8 @@ def test_a_rolling_deploy_and_a_rollback_through_smg_fail_no_request(routed_flee
         sent_deploy, failed_deploy = client.sent, len(client.failed)
         after_deploy = run_cli("status", "-i", str(inv), "--json", env=env)
         t_back = time.monotonic() - client.t0
-        with RoutedSampler(info) as during_rollback:  # the default rollback: rolling, max_unavailable 1
+        # The default rollback (rolling, max_unavailable 1), its first host unreachable at first.
+        with RoutedSampler(info) as during_rollback, SshdDown(sandbox, "sbx1", 3.0):
             back = run_cli("rollback", "-i", str(inv), "--yes", "--json", "--report", str(tmp_path / "rollback.html"),
                            env=env, timeout=600)
         sent_rollback, failed_rollback = client.sent - sent_deploy, len(client.failed) - failed_deploy
@@ -140,7 +170,8 @@ def test_a_rolling_deploy_and_a_rollback_through_smg_fail_no_request(routed_flee
         steps = [s["step"] for s in h["steps"]]
         assert steps.index("deregister") < steps.index("restart") < steps.index("health gate") \
             < steps.index("register") < steps.index("soak") < steps.index("committed"), steps
-    assert [h["outcome"] for h in back.json()["hosts"]] == ["rolled_back"] * len(hosts)
+    assert [h["outcome"] for h in back.json()["hosts"]] == ["rolled_back"] * len(hosts), back.stderr[-3000:]
+    assert back.json()["hosts"][0]["host"] == "sbx1" and back.json()["hosts"][0]["connect_tries"] > 1
     assert back.json()["batches"] == [[h["host"]] for h in hosts]
     assert during_rollback.looks > 20 and during_rollback.fewest == len(hosts) - 1  # never more than one out
     page = (tmp_path / "deploy.html").read_text()  # the report of the real rollout: every host, its phases

@@ -67,7 +67,9 @@ def test_a_reconnect_handshake_broken_every_which_way_is_retried_and_the_rollbac
 def test_control_the_old_rule_retrying_only_unreachable_ends_in_exit_4(fake, versioned_patchset, monkeypatch):
     """The same outage under the old rule (only UnreachableError is a lost connection): exit 4,
     and even then the reason is named (it was "failed too: ." with a bare EOFError)."""
-    monkeypatch.setattr(phases, "is_connection_trouble", lambda e: isinstance(e, UnreachableError))
+    old_rule = lambda e: isinstance(e, UnreachableError)  # noqa: E731
+    monkeypatch.setattr(phases, "is_connection_trouble", old_rule)
+    monkeypatch.setattr("ddtree_ops.host.first_contact.is_connection_trouble", old_rule)
     monkeypatch.setattr("ddtree_ops.host.session.is_connection_trouble", lambda e: False)
     flaky_reconnects(monkeypatch, [EOFError()])
     fake.drop_connection_at.add("agent remove_partial")

@@ -34,6 +34,7 @@ from ddtree_ops.testing.fake_host import (
     FAKE_HANG,
     UPSTREAM_BYTES,
     UPSTREAM_REL,
+    FakeLink,
     fake_hosts,
 )
 from fast_kit import PROBE_REL, kill_deploy_at_call
@@ -297,7 +298,93 @@ def _units(fake) -> dict[str, tuple[str, str]]:
     return {n: (u.active, u.enabled) for n, u in fake.units.items()}
 
 
-@pytest.mark.parametrize("kind", ["fail", "drop"])
+def _restarts(fake) -> int:
+    """How many times the host started the deployed unit (a restart the connection lost before it
+    reached the host is not one)."""
+    return fake.started.count(fake.host.unit)
+
+
+def _remote_call(fake, k: int) -> str:
+    """The name of the k-th remote call the host saw (`calls` counts agent requests only)."""
+    return [e for e in fake.events if not e.startswith(("http ", "reconnect"))][k - 1]
+
+
+def _reconnects_after(fake, k: int) -> int:
+    """A connection lost at the very last call (the lock given back) needs no reconnect."""
+    return 0 if _remote_call(fake, k) == "agent unlock" else 1
+
+
+@pytest.mark.parametrize("kind", ["drop", "lost-answer"])
+def test_a_connection_lost_at_any_remote_call_of_a_deploy_is_resumed_and_deploys_with_one_restart(
+        tmp_path, patchset, kind):
+    """Cut before the call reaches the host ("drop") or after the host did it, its answer lost
+    ("lost-answer"): before the first change the step is tried again, after it the phase resumes
+    from where the host is; every cut ends deployed, and the server is started once (a restart
+    whose answer was lost is seen in the unit's new invocation and not sent again)."""
+    n = _calls_of_a_clean_deploy(tmp_path, patchset)
+    assert n > 20
+    for k in range(1, n + 1):
+        fake = fake_hosts(tmp_path / f"{kind}{k}")[0]
+        fake.fault_at_call = (kind, k)
+        r = deploy_host(fake.session(), patchset, OPTS)
+        fake.fault_at_call = None
+        where = f"{kind} at call {k}"
+        assert r.outcome is Outcome.DEPLOYED and current(fake) == r.release, where
+        assert fake.session().store.facts([])["journal"] is None, where
+        assert fake.units[fake.host.unit].active == "active" and _restarts(fake) == 1, where
+        assert fake.reconnects == _reconnects_after(fake, k), where
+
+
+def _restart_call(tmp_path, ps) -> int:
+    """The index of the `systemctl restart` among a clean deploy's remote calls."""
+    probe = fake_hosts(tmp_path / "restart-index")[0]
+    deploy_host(probe.session(), ps, OPTS)
+    return [e for e in probe.events if not e.startswith("http ")].index(f"systemctl restart {probe.host.unit}") + 1
+
+
+def test_a_restart_whose_answer_was_lost_is_not_sent_again_and_its_server_is_the_release(tmp_path, patchset):
+    k = _restart_call(tmp_path, patchset)
+    fake = fake_hosts(tmp_path / "lost")[0]
+    fake.fault_at_call = ("lost-answer", k)
+    r = deploy_host(fake.session(), patchset, OPTS)
+    assert r.outcome is Outcome.DEPLOYED and _restarts(fake) == 1
+    said = [s["detail"] for s in r.steps if s["step"] == "restart"]
+    assert any("sent before the connection was lost" in d and "not restarted again" in d for d in said), said
+    assert [s["step"] for s in r.steps].count("reconnected") == 1
+
+
+def test_a_restart_the_connection_lost_before_it_reached_the_host_is_sent_after_the_reconnect(tmp_path, patchset):
+    k = _restart_call(tmp_path, patchset)
+    fake = fake_hosts(tmp_path / "drop")[0]
+    fake.fault_at_call = ("drop", k)
+    r = deploy_host(fake.session(), patchset, OPTS)
+    assert r.outcome is Outcome.DEPLOYED and _restarts(fake) == 1
+    assert not any("sent before the connection was lost" in s["detail"] for s in r.steps)
+
+
+def test_a_server_systemd_restarted_while_the_connection_was_lost_fails_the_restart_and_rolls_back(
+        tmp_path, patchset, monkeypatch):
+    """It crashed and Restart= brought it back: its PID now is not the one that was started, so the
+    resumed phase cannot tell a healthy server from a crashing one. Rolled back, exit 3."""
+    k = _restart_call(tmp_path, patchset)
+    fake = fake_hosts(tmp_path / "respawned")[0]
+    before = snapshot(fake)
+    fake.fault_at_call = ("lost-answer", k)
+    real = FakeLink.reconnect
+
+    def respawned_meanwhile(self):
+        fake.units[fake.host.unit].n_restarts += 1
+        real(self)
+
+    monkeypatch.setattr(FakeLink, "reconnect", respawned_meanwhile)
+    with pytest.raises(DeployFailed) as ei:
+        deploy_host(fake.session(), patchset, OPTS)
+    assert ei.value.exit_code == 3 and ei.value.result.failed_step == "restart"
+    assert "started again by systemd (Restart=, 1 time(s))" in ei.value.result.message
+    assert snapshot(fake) == before and fake.units[DFLASH_UNIT].active == "active"
+
+
+@pytest.mark.parametrize("kind", ["fail"])
 def test_a_fault_at_any_remote_call_of_a_deploy_ends_on_one_release_or_exit_4(tmp_path, patchset, kind):
     n = _calls_of_a_clean_deploy(tmp_path, patchset)
     assert n > 20  # the deploy really makes that many remote calls
@@ -328,7 +415,28 @@ def test_a_fault_at_any_remote_call_of_a_deploy_ends_on_one_release_or_exit_4(tm
     assert 3 in seen and 0 in seen  # faults after the first change were rolled back; housekeeping kept
 
 
-@pytest.mark.parametrize("node, kind", [(0, "fail"), (1, "fail"), (1, "drop")])
+@pytest.mark.parametrize("node, kind", [(0, "drop"), (1, "drop"), (1, "lost-answer")])
+def test_a_connection_lost_at_any_remote_call_of_a_multinode_deploy_is_resumed_on_that_node(tmp_path, patchset, node,
+                                                                                            kind):
+    """The same for a server of two nodes: the node that lost its connection reconnects and
+    resumes its phase; the server ends deployed, each node started once."""
+    counting = fake_hosts(tmp_path / "count", 2, multinode=True)
+    deploy_server(Target("server1", tuple(n.host for n in counting)), patchset, OPTS, connect=_connect(counting),
+                  report=quiet)
+    for k in range(1, counting[node].calls + 1):
+        nodes = fake_hosts(tmp_path / f"n{node}{kind}-{k}", 2, multinode=True)
+        nodes[node].fault_at_call = (kind, k)
+        rows = deploy_server(Target("server1", tuple(n.host for n in nodes)), patchset, OPTS,
+                             connect=_connect(nodes), report=quiet)
+        nodes[node].fault_at_call = None
+        where = f"{kind} on node {node} at call {k}: {[(r.outcome, r.message) for r in rows]}"
+        assert [r.outcome for r in rows] == [Outcome.DEPLOYED] * 2, where
+        assert {current(n) for n in nodes} == {rows[0].release}, where
+        assert [_restarts(n) for n in nodes] == [1, 1], where
+        assert nodes[node].reconnects == _reconnects_after(nodes[node], k), where
+
+
+@pytest.mark.parametrize("node, kind", [(0, "fail"), (1, "fail")])
 def test_a_fault_at_any_remote_call_of_a_multinode_deploy_rolls_every_node_back_or_exits_4(tmp_path, patchset, node,
                                                                                             kind):
     counting = fake_hosts(tmp_path / "count", 2, multinode=True)

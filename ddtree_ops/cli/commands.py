@@ -445,6 +445,7 @@ def rollback(
 
 @app.command()
 def status(
+    ctx: typer.Context,
     inventory: str = INVENTORY_OPT,
     limit: Optional[str] = LIMIT_OPT,
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
@@ -484,7 +485,8 @@ def status(
         return one(hosts, expected)
 
     def one(hosts, expected=None):
-        rows = collect_status(hosts, accept_new_host_keys=accept_new_host_keys, forks=forks, expected=expected)
+        rows = collect_status(hosts, accept_new_host_keys=accept_new_host_keys, forks=forks, expected=expected,
+                              hooks=hooks_of(ctx))
         code = 0 if all(r["ok"] for r in rows) else EXIT_ERROR
         if as_json:
             _emit_json({"ok": code == 0, "exit_code": code, "hosts": rows})

@@ -89,8 +89,16 @@ def print_plan(p: HostPlan) -> None:
 
 def summary_rows(res: RolloutResult) -> list[dict[str, Any]]:
     return [{"host": r.host, "outcome": str(r.outcome), "release": r.release, "failed_step": r.failed_step,
-             "seconds": round(r.seconds, 1), "message": one_line(r.message)}  # a refusal's reasons: after line 1
+             "seconds": round(r.seconds, 1), "message": one_line(r.message),  # a refusal's reasons: after line 1
+             "ssh": ssh_cell(r.connect_tries, r.reconnects)}
             for r in res.results]
+
+
+def ssh_cell(tries: int, reconnects: int = 0) -> str:
+    """What reaching the host took: "ok" at the first try, else the tries and reconnects."""
+    parts = [f"{tries} tries"] if tries > 1 else []
+    parts += [f"{reconnects} reconnect{'s' if reconnects > 1 else ''}"] if reconnects else []
+    return ", ".join(parts) or "ok"
 
 
 def _gate_value(metric: str, v: Any) -> str:
@@ -124,11 +132,12 @@ def print_rollout(res: RolloutResult) -> None:
     state = f"ABORTED ({res.abort_reason})" if res.aborted else "done"
     rollout = f" {res.rollout_id}" if res.rollout_id else ""
     title = f"{res.action}{rollout}: {state} in {res.seconds:.1f} s"
-    t = Table("host", "outcome", "release", "failed step", "seconds", "perf gate", "message", title=literal(title),
-              title_justify="left")
+    t = Table("host", "outcome", "release", "failed step", "seconds", "ssh", "perf gate", "message",
+              title=literal(title), title_justify="left")
     for r, row in zip(res.results, summary_rows(res), strict=True):
         t.add_row(*map(literal, (row["host"], row["outcome"], row["release"] or "-", row["failed_step"] or "-",
-                                 f"{row['seconds']:.1f}", gate_brief(r.perf_gate), fit(row["message"], 160))))
+                                 f"{row['seconds']:.1f}", row["ssh"], gate_brief(r.perf_gate),
+                                 fit(row["message"], 160))))
     console().print(t)
     for r in res.results:
         if r.perf_gate:
@@ -164,7 +173,8 @@ def print_status(rows: list[dict[str, Any]]) -> None:
         acc = r.get("avg_accept_length")
         t.add_row(*map(literal, (
             r["host"] + (f" ({r['server']} rank {r['node_rank']})" if r.get("server") else ""),
-            "yes" if r["reachable"] else f"NO: {fit(r['reason'] or '', 60)}",
+            ("yes" + (f" ({r['connect_tries']} tries)" if r.get("connect_tries", 1) > 1 else "")) if r["reachable"]
+            else f"NO: {fit(r['reason'] or '', 60)}",
             r["release"] or "-", r.get("rollout") or "-", r["patchset"] or "-", str(r["budget"] or "-"),
             str(r["topk_cap"] or "-"),
             drift_cell(r),

@@ -35,7 +35,7 @@ from .host_vars import FolderVars, VarsFile, load_folder_vars
 from .inventory_file import read_graph
 from .inventory_graph import ALL, InventoryGraph
 from .limit_patterns import HostIndex, select_names
-from .lock_settings import LOCK_LEASE_S, LOCK_RENEW_S, lease_duration, renew_interval
+from .lock_settings import LOCK_LEASE_S, LOCK_RENEW_S, RECONNECT_WINDOW_S, lease_duration, renew_interval
 from .notify_settings import Webhook, notify_field
 from .perfgate_settings import PerfGateSettings, parse_perf_gate
 from .router_settings import RouterSettings, normalize_url, router_field
@@ -165,6 +165,9 @@ class Host:
     # The deploy lock is a lease (config/lock_settings.py): renewed this often, lost after this long.
     lock_renew_s: float = LOCK_RENEW_S
     lock_lease_s: float = LOCK_LEASE_S
+    # A lost SSH connection (or a first connection that fails) is retried for this long, with
+    # growing pauses, before the run gives up on the host (host/first_contact.py, Runbook.reconnecting).
+    reconnect_window_s: float = RECONNECT_WINDOW_S
     aliases: tuple[str, ...] = ()  # other addresses of the host, e.g. the one its router reaches it at
     # The interpreter the agent (root) runs on: the system's, never the venv's, which whoever can
     # write the venv controls (host/agent/interpreter.py refuses one that others can write).
@@ -362,6 +365,7 @@ HOST_FIELDS: tuple[Field, ...] = (
     Field("min_free_mb", int_range(0, 10**7), 64),
     Field("lock_renew_s", renew_interval(), LOCK_RENEW_S),
     Field("lock_lease_s", lease_duration("lock_renew_s"), LOCK_LEASE_S),
+    Field("reconnect_window_s", number_range(0, 3600), RECONNECT_WINDOW_S),
     Field("environment_file", abs_path(), None),
     # A YAML file on the host holding `api-key: 'KEY'` (and other secret options), passed to SGLang
     # as `--config FILE`: the key never appears in the unit, its backups or the process list.

@@ -12,6 +12,10 @@ from .schema import Check, Invalid, number_range
 
 LOCK_RENEW_S = 10.0
 LOCK_LEASE_S = 30.0
+# How long a run keeps trying to reach a host whose SSH connection failed or was lost (inventory
+# `reconnect_window_s`): long enough for an sshd restart or a network blip, short enough that an
+# operator hears of a host that is really gone within a minute.
+RECONNECT_WINDOW_S = 60.0
 RENEW_MIN_S = 1.0
 LEASE_MAX_S = 86400.0
 

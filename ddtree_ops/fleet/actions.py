@@ -18,7 +18,7 @@ from ..host.session import HostSession, open_session
 from ..runbook.deploy import deploy_host
 from ..runbook.events import EventSink, Note
 from ..runbook.options import DeployOptions
-from ..runbook.results import HostResult, failed_result
+from ..runbook.results import HostResult, failed_result, with_tries
 from ..runbook.rollback import UndoRollout, rollback_host
 from .multinode import deploy_server, rollback_server
 from .policy import RolloutPolicy
@@ -32,16 +32,19 @@ ServerOp = Callable[[Target, Callable[[Host], HostSession], EventSink], list[Hos
 
 def run_on_host(host: Host, op: HostOp, *, connect: Callable[[Host], HostSession], report: EventSink) -> HostResult:
     t0 = time.monotonic()
+    session: HostSession | None = None
     try:
         session = connect(host)
+        if session.connect_tries > 1:
+            report(Note(host.name, f"connected after {session.connect_tries} tries"))
         try:
-            return op(session, report)
+            return with_tries(op(session, report), session)
         finally:
             session.close()
     except DdtreeOpsError as e:
         result = failed_result(host.name, e, time.monotonic() - t0)
         report(Note(host.name, f"{result.outcome}: {e}"))
-        return result
+        return with_tries(result, session) if session is not None else result
 
 
 def per_target(host_op: HostOp, server_op: ServerOp, connect: Callable[[Host], HostSession]) -> TargetAction:

@@ -22,7 +22,7 @@ from ..runbook.engine import DeployEnd, DeployRun, Prepared, health_gated, lock_
 from ..runbook.events import EventSink, Note
 from ..runbook.options import DeployOptions
 from ..runbook.phases import Runbook
-from ..runbook.results import HostResult, Outcome, failed_result
+from ..runbook.results import HostResult, Outcome, failed_result, with_tries
 from ..runbook.rollback import UndoRollout, rollback_host
 from .rollout import Target
 from .routing import Routers, router_for
@@ -70,9 +70,11 @@ def deploy_server(server: Target, ps: PatchSet, opts: DeployOptions, *, connect:
             report(Note(server.name, f"{type(e).__name__}: {e}"))
             return _everyone_failed(server, e, t0)
         if prepared is Prepared.UNCHANGED:
-            return [HostResult(n.host.name, Outcome.UNCHANGED, 0, release=p.current_release, steps=n.steps,
-                               seconds=time.monotonic() - t0) for n, p in zip(nodes, run.plans, strict=True)]
-        return _server_rows(run, transact(run, report), t0)
+            return [with_tries(HostResult(n.host.name, Outcome.UNCHANGED, 0, release=p.current_release, steps=n.steps,
+                                          seconds=time.monotonic() - t0), n.session)
+                    for n, p in zip(nodes, run.plans, strict=True)]
+        rows = _server_rows(run, transact(run, report), t0)
+        return [with_tries(r, n.session) for r, n in zip(rows, run.nodes, strict=True)]
 
 
 def _server_rows(run: DeployRun, end: DeployEnd, t0: float) -> list[HostResult]:
@@ -112,12 +114,12 @@ def rollback_server(server: Target, to: str | UndoRollout | None, opts: DeployOp
         def one(i: int) -> HostResult:
             s = sessions[i]
             try:
-                return rollback_host(s, to, opts, report, health_checked=health_gated(i),
-                                     router=router if health_gated(i) else None)
+                return with_tries(rollback_host(s, to, opts, report, health_checked=health_gated(i),
+                                                router=router if health_gated(i) else None), s)
             except DdtreeOpsError as e:
                 row = failed_result(s.host.name, e, time.monotonic() - t0)
                 report(Note(s.host.name, f"{row.outcome}: {e}"))
-                return row
+                return with_tries(row, s)
 
         out = {sessions[i].host.name: row for i, row in rollback_nodes(len(sessions), one).items()}
         return [out[h.name] for h in server.hosts]

@@ -90,15 +90,18 @@ def wait_until_serving(session: ServerAccess, unit: str, *, expected_pid: int | 
                        deadline_s: float | None = None,
                        progress: Callable[[float, str], None] | None = None,
                        phases: PhaseTracker | None = None,
-                       on_phase: Callable[[list[Transition], PhaseTracker, float], None] | None = None) -> float:
+                       on_phase: Callable[[list[Transition], PhaseTracker, float], None] | None = None,
+                       started_at: float | None = None) -> float:
     """Poll until /health is 200; fail at once when the unit dies or respawns, or when a start-up
     phase (from SGLang's log lines, `phases`) outlasts its deadline. Returns seconds. `on_phase`
-    hears, every poll, which phases ended and where the server is."""
+    hears, every poll, which phases ended and where the server is. `started_at` (on the session's
+    clock): when the wait began, for a wait resumed after a lost connection (the deadlines and the
+    seconds returned count from then)."""
     host = session.host
     deadline_s = deadline_s or host.health.load_deadline_s
     tracker = phases or PhaseTracker()
     limits = phase_deadlines(host.health)
-    start = session.monotonic()
+    start = session.monotonic() if started_at is None else started_at
     with session.http() as client:
         while True:
             elapsed = session.monotonic() - start

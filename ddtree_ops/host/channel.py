@@ -136,6 +136,16 @@ class AgentChannel:
                                                  f"{self.hello.refused[:600]}")
         self._start_heartbeat()
 
+    def start(self) -> None:
+        """Start the agent now (its hello answered), not at the first request: the first contact
+        with a host retries this as it retries the handshake (first_contact.py)."""
+        with self._io:
+            self.watch.check()
+            if self._broken:
+                raise UnreachableError(f"{self.host.name}: {self._broken}")
+            if self._chan is None:
+                self._start()
+
     def call(self, request: dict[str, Any], timeout: float) -> dict[str, Any]:
         with self._io:
             self.watch.check()
@@ -149,7 +159,13 @@ class AgentChannel:
             if fault == "drop":
                 self.conn.close()
             self.watch.journal_sent(request)
-            return answer_result(self.host.name, request["op"], self._exchange(request, timeout))
+            answer = answer_result(self.host.name, request["op"], self._exchange(request, timeout))
+            if fault == "lost-answer":  # the host did it; the connection goes before the answer arrives
+                self.conn.close()
+                self._fail("connection lost after the request was done (test fault)")
+                raise UnreachableError(f"{self.host.name}: connection lost after remote step "
+                                       f"{call_name(request)!r} was done (test fault)")
+            return answer
 
     # -- the heartbeat ---------------------------------------------------------------------------
     def _start_heartbeat(self) -> None:

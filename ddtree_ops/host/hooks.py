@@ -4,7 +4,8 @@ The product calls these on the `Hooks` object it was given and never asks where 
 default (`NO_HOOKS`) does nothing, and only the test rig (`ddtree_ops.testing.pause_points`) builds
 one that acts. So nothing on the deploy path reads a test's environment variables.
 
-Points (in deploy order): before-backup, after-backup, between-files (asked of the agent, which
+Points (in deploy order): before-connect (each host's first contact, also of status, plan and
+logs), before-backup, after-backup, between-files (asked of the agent, which
 pauses after the first installed file, on the host), after-unit, before-deregister (each time a
 serving unit leaves the router), wait-for-weights, before-register (each time, the rollback's
 too), before-commit; in a rollback: rollback-services (files restored, the units not yet).
@@ -35,8 +36,8 @@ class Hooks:
         return {}
 
     def fault(self, request: dict[str, Any]) -> str | None:
-        """Before an agent call: "fail" (answer as a host error), "drop" (cut the connection) or
-        None (go ahead)."""
+        """Before an agent call: "fail" (answer as a host error), "drop" (cut the connection),
+        "lost-answer" (cut it once the host has done the call) or None (go ahead)."""
         return None
 
 

@@ -38,6 +38,18 @@ class UnitProbe:
     log: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Invocation:
+    """Which run of a unit this is: systemd gives every start of a unit a new InvocationID (empty
+    for a unit never started), and counts the restarts its Restart= made (NRestarts). A resumed
+    deploy tells from these whether the restart it sent before the connection was lost happened."""
+
+    id: str
+    active: str
+    main_pid: int | None
+    n_restarts: int
+
+
 # ---------------------------------------------------------------------------------------------
 # parsing systemctl's output (pure)
 
@@ -98,6 +110,18 @@ def parse_states(text: str, units: tuple[str, ...] | list[str]) -> dict[str, Uni
 SYSTEMD_LINES = 3
 
 
+INVOCATION_PROPERTIES = ("InvocationID", "ActiveState", "MainPID", "NRestarts")
+
+
+def parse_invocation(text: str) -> Invocation:
+    """`systemctl show -p InvocationID -p ActiveState -p MainPID -p NRestarts UNIT` → Invocation."""
+    blocks = parse_show_blocks(text)
+    b = blocks[0] if blocks else {}
+    restarts = b.get("NRestarts", "")
+    return Invocation(b.get("InvocationID", ""), b.get("ActiveState") or "unknown",
+                      parse_main_pid("MainPID=" + b.get("MainPID", "")), int(restarts) if restarts.isdigit() else 0)
+
+
 def probe_argvs(unit: str, lines: int) -> list[list[str]]:
     """State, MainPID and the log tail of `unit`: two programs, one round trip through the agent.
     The journal is read deeper than `lines`: parse_probe keeps the server's own last lines."""
@@ -148,6 +172,10 @@ class Services:
 
     def main_pid(self, unit: str) -> int | None:
         return parse_main_pid(self._run(["systemctl", "show", "-p", "MainPID", unit]).stdout)
+
+    def invocation(self, unit: str) -> Invocation:
+        argv = ["systemctl", "show", *[a for p in INVOCATION_PROPERTIES for a in ("-p", p)], unit]
+        return parse_invocation(self._run(argv).stdout)
 
     def probe(self, unit: str, lines: int = 30) -> UnitProbe:
         request = Run(argvs=probe_argvs(unit, lines), timeout=30, scrub_files=list(self.scrub_files),

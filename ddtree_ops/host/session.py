@@ -13,14 +13,16 @@ in every tier. The request router is not part of a session: it has its own clien
 from __future__ import annotations
 
 import contextlib
+import os
 import time
-from typing import Any, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import httpx
 
 from ..config.inventory import Host
 from ..errors import HostKeyError, LeaseLost, LockHeldError, RemoteCommandError, UnreachableError, reason
 from .channel import AgentChannel
+from .first_contact import WindowExceeded, cause, retry_until_reached
 from .hooks import NO_HOOKS, Hooks
 from .http import http_client
 from .release_store import ReleaseStore
@@ -91,6 +93,8 @@ class SshLink:
 class HostSession:
     def __init__(self, host: Host, link: HostLink, hooks: Hooks = NO_HOOKS):
         self.host, self.link, self.hooks = host, link, hooks
+        self.connect_tries = 1  # how many tries the first contact took (open_session)
+        self.reconnects = 0  # connections lost during the operation and made again
         self.store = ReleaseStore(link, host)
         self.services = Services(link, host.name, host.secret_files)
 
@@ -113,6 +117,7 @@ class HostSession:
         try:
             self.link.reconnect()
             self.store.relock()
+            self.reconnects += 1
         except RemoteCommandError as e:
             raise UnreachableError(f"{self.host.name}: reconnected, but the new agent did not answer cleanly: "
                                    f"{reason(e)}") from None
@@ -134,10 +139,50 @@ class HostSession:
         self.link.close()
 
 
-def open_session(host: Host, *, accept_new_host_keys: bool = False, hooks: Hooks = NO_HOOKS) -> HostSession:
+def reconnect_window_s(host: Host) -> float:
+    """How long a lost or failing connection to `host` is retried: the inventory's
+    `reconnect_window_s`; DDTREE_OPS_RECONNECT_S in the environment overrides it for every host
+    (an operator's one-off, or a test's)."""
+    env = os.environ.get("DDTREE_OPS_RECONNECT_S", "").strip()
+    return float(env) if env else host.reconnect_window_s
+
+
+def _open_once(host: Host, accept_new_host_keys: bool, hooks: Hooks) -> HostSession:
     conn = HostConnection(host, accept_new_host_keys=accept_new_host_keys)
-    conn.open()
-    return HostSession(host, SshLink(host, conn, hooks), hooks)
+    link: SshLink | None = None
+    try:
+        conn.open()
+        link = SshLink(host, conn, hooks)
+        link.agent.start()
+    except RemoteCommandError as e:  # an agent that did not answer its hello: as on a reconnect
+        (link or conn).close()
+        raise UnreachableError(f"{host.name}: connected, but the agent did not answer cleanly: {reason(e)}") from None
+    except BaseException:
+        (link or conn).close()
+        raise
+    return HostSession(host, link, hooks)
+
+
+def open_session(host: Host, *, accept_new_host_keys: bool = False, hooks: Hooks = NO_HOOKS,
+                 window_s: float | None = None, sleep: Callable[[float], None] = time.sleep,
+                 clock: Callable[[], float] = time.monotonic,
+                 on_retry: Callable[[BaseException, float], None] | None = None) -> HostSession:
+    """The host connected, its agent started: retried with growing pauses within the reconnect
+    window (first_contact.py), so a blip before the first change costs nothing. The session's
+    `connect_tries` says how many tries it took. Final at once: a changed or unknown host key, a
+    repeated authentication refusal, an agent_python that cannot run; after the window,
+    WindowExceeded (exit 1) naming it, with nothing changed on the host."""
+    window = reconnect_window_s(host) if window_s is None else window_s
+    hooks.pause("before-connect")
+    try:
+        reached = retry_until_reached(lambda: _open_once(host, accept_new_host_keys, hooks), window_s=window,
+                                      sleep=sleep, clock=clock, on_retry=on_retry)
+    except WindowExceeded as e:
+        raise WindowExceeded(f"{host.name}: unreachable: {cause(e.last, host.name)}; tried {e.tries} times over the "
+                             f"reconnect window ({window:g} s, `reconnect_window_s` in the inventory); nothing was "
+                             f"changed", tries=e.tries, last=e.last) from None
+    reached.value.connect_tries = reached.tries
+    return reached.value
 
 
 @contextlib.contextmanager

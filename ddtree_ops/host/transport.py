@@ -26,7 +26,7 @@ from typing import Iterator, Sequence
 import paramiko
 
 from ..config.inventory import Host
-from ..errors import HostKeyError, LocalKeyMissing, RemoteCommandError, UnreachableError, reason
+from ..errors import AuthRefused, HostKeyError, LocalKeyMissing, RemoteCommandError, UnreachableError, reason
 
 
 def shell_join(argv: Sequence[str | int | os.PathLike]) -> str:
@@ -148,9 +148,9 @@ class HostConnection:
                     f"{self.host.name}: {self.host.address} is not in {kh} (unknown host key). Refusing to "
                     f"connect; verify its fingerprint and add it, or pass --accept-new-host-keys."
                 ) from None
-            if isinstance(e, paramiko.AuthenticationException):
-                raise UnreachableError(f"{self.host.name}: SSH authentication failed for {self.host.ssh_user}@"
-                                       f"{self.host.address}: {e}") from None
+            if isinstance(e, paramiko.AuthenticationException) and _LOST_IN_AUTH not in str(e):
+                raise AuthRefused(f"{self.host.name}: SSH authentication failed for {self.host.ssh_user}@"
+                                  f"{self.host.address}: {e}") from None
             raise UnreachableError(f"{self.host.name}: SSH to {self.host.address}:{self.host.ssh_port} "
                                    f"failed: {reason(e)} (connect_timeout {self.host.connect_timeout_s:g} s)") from None
         except (socket.timeout, TimeoutError):
@@ -252,6 +252,11 @@ class HostConnection:
                 f"{(res.stderr or res.stdout).strip()[-800:]}"
             )
         return res
+
+
+# Paramiko's AuthenticationException when the connection, not the server, ended the
+# authentication (paramiko/auth_handler.py, wait_for_response): a lost connection, not a refusal.
+_LOST_IN_AUTH = "transport shut down or saw EOF"
 
 
 def is_connection_trouble(exc: BaseException) -> bool:

@@ -29,10 +29,13 @@ def dry_run_host(session: HostSession, ps: PatchSet, opts: DeployOptions,
     """The host's plan with every refusal deploy would give, and what was checked; changes nothing."""
     # Ranks >= 1 of a multi-node server are neither routed nor gated (engine.health_gated).
     rb = Runbook(session, router=router, health_checked=session.host.node_rank == 0)
-    plan = rb.preflight(ps, opts)
+    # Read only, so a lost connection is reconnected and the checks start again.
+    plan = rb.reconnecting(rb.window(opts), lambda: rb.preflight(ps, opts), "plan")
     refusals, checked = list(plan.refusals), []
+    if session.connect_tries > 1:
+        checked.append(f"reached after {session.connect_tries} tries (SSH)")
     if not any(r.startswith(f"python {rb.host.python} ") for r in refusals):  # else the parse cannot run
-        launch = launch_dry_run(rb, plan, ps)
+        launch = rb.reconnecting(rb.window(opts), lambda: launch_dry_run(rb, plan, ps), "plan")
         refusals += [f"launch check: {p}" for p in launch.problems]
         checked += launch.checked
     checked += router_checked(rb, refusals)

@@ -81,10 +81,11 @@ class DeployRun:
 
 
 class Run(Protocol):
-    """What the executor needs of a run: its nodes (rank order) and the ones it changed."""
+    """What the executor needs of a run: its nodes (rank order), the ones it changed, its options."""
 
     nodes: list[Runbook]
     started: list[int]
+    opts: DeployOptions
 
 
 @dataclass(frozen=True)
@@ -122,14 +123,21 @@ DEPLOY: tuple[Phase, ...] = (
 
 def run_phases(run: Run, phases: tuple[Phase, ...] | None = None) -> None:
     """Each phase in turn, on its nodes in its order; a node is `started` before its first
-    changing phase runs on it, so a failure in that very phase rolls it back too."""
+    changing phase runs on it, so a failure in that very phase rolls it back too.
+
+    A connection lost during a phase is not its failure: the node reconnects (within the run's
+    reconnect window, taking its lock back) and the phase runs again from where the host is
+    (each phase is resumable: phases.Release says what it must not do twice). Only a connection
+    that stays lost past the window, a lease lost meanwhile (the host rolled itself back) or a lock
+    another run took ends the phase, and then the run fails as for any other failure."""
     for phase in DEPLOY if phases is None else phases:
         if not phase.when(run):
             continue
         for i in phase.nodes.order(len(run.nodes)):
             if phase.changes and i not in run.started:
                 run.started.append(i)
-            phase.run(run, i)
+            node = run.nodes[i]
+            node.reconnecting(node.window(run.opts), lambda phase=phase, i=i: phase.run(run, i), f"resume {phase.name}")
 
 
 # -- before the first change ---------------------------------------------------------------------
@@ -152,10 +160,10 @@ def prepare(run: DeployRun, locks: list[Any], refusal: Callable[[DeployRun], Ddt
     """Repair, preflight (`refusal` builds the error of a refused run), decide whether anything is
     to do, measure the baseline and open the releases (one id over every node). Changes nothing
     but a repair of an interrupted run."""
-    run.repaired = [n.repair_interrupted(run.opts.reconnect_s) for n in run.nodes]
+    run.repaired = [n.repair_interrupted(n.window(run.opts)) for n in run.nodes]
     detail = (lambda n: f"node rank {n.host.node_rank} of {run.server}") if run.server else (lambda n: "")
     # Preflight changes nothing: a connection lost during it is reconnected and it starts again.
-    run.plans = [n.reconnecting(run.opts.reconnect_s, lambda n=n: n.preflight(run.ps, run.opts, detail(n)),
+    run.plans = [n.reconnecting(n.window(run.opts), lambda n=n: n.preflight(run.ps, run.opts, detail(n)),
                                 "preflight") for n in run.nodes]
     if any(p.refusals for p in run.plans):
         raise refusal(run)
@@ -221,7 +229,7 @@ def fail(run: DeployRun, exc: BaseException, report: EventSink) -> DeployEnd:
     for i in [i for i in ROLLBACK_ORDER.order(len(run.nodes)) if i in run.started]:
         n, r = run.nodes[i], run.releases[i]
         try:
-            n.roll_back_reconnecting(run.opts.reconnect_s, r.id, r.journal, outcome=f"rolled back ({end.failed_step})",
+            n.roll_back_reconnecting(n.window(run.opts), r.id, r.journal, outcome=f"rolled back ({end.failed_step})",
                                      failed_step=end.failed_step, error=message)
         except Exception as e:
             end.rollback_errors.append((n.host.name, e))

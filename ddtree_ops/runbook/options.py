@@ -3,7 +3,6 @@ phase of the runbook reads (engine.py, phases.py, traffic.py)."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -16,8 +15,9 @@ class DeployOptions:
     command: str = "ddtree-ops deploy"
     deadline_s: float | None = None
     bundle_id: str | None = None
-    # A connection lost during a deploy: keep reconnecting this long to roll the host back.
-    reconnect_s: float = field(default_factory=lambda: float(os.environ.get("DDTREE_OPS_RECONNECT_S", "60")))
+    # A connection lost during a run: keep reconnecting this long to carry on (or roll back).
+    # None: the host's `reconnect_window_s` (host/session.reconnect_window_s).
+    reconnect_s: float | None = None
     templates_dir: str | None = None  # a verified bundle's templates/ (default: the packaged ones)
     perf_gate: bool | None = None  # --perf-gate/--no-perf-gate; None: the inventory's perf_gate.enabled
     marginal: str = "fail"  # a marginal performance verdict: "accept" | "fail" | "ask" (a terminal)

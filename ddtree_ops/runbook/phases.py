@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..artifacts.patchset import PatchSet
@@ -22,12 +22,13 @@ from ..gates.health import HealthFailure, drain, health_gate, soak, wait_until_s
 from ..gates.router import SmgRouter
 from ..gates.startup import PhaseTracker, Transition
 from ..host.agent.protocol import InstallFile
+from ..host.first_contact import FIRST_PAUSE_S, Reached, WindowExceeded, retry_until_reached
 from ..host.gpus import GpuApp
 from ..host.heal_note import HEAL_STEP, heal_note, unreported_heal
 from ..host.journal import journal_problem
 from ..host.release_store import LockHolder, b64, new_release_id
-from ..host.services import UnitState
-from ..host.session import HostSession
+from ..host.services import Invocation, UnitState
+from ..host.session import HostSession, reconnect_window_s
 from ..host.transport import is_connection_trouble
 from .drift import backup_paths, changed_error, stand_down
 from .events import EventSink, quiet
@@ -46,9 +47,6 @@ RUNNING = ("active", "activating")
 # launch check) but no unit was stopped, started, enabled or disabled, and the router was not
 # touched. None: the journal was written before any step was (nothing changed at all).
 UNTOUCHED_STEPS = (None, "backup", "install")
-# The pauses between two reconnects: short at first (a blip), growing (an sshd that keeps failing).
-RECONNECT_FIRST_PAUSE_S = 0.5
-RECONNECT_MAX_PAUSE_S = 4.0
 
 
 @dataclass
@@ -60,6 +58,14 @@ class Release:
     journal: dict[str, Any]
     unit_bytes: bytes = b""
     pid: int | None = None
+    # What a phase resumed after a lost connection must not do again (Runbook.reconnecting runs
+    # the phase once more): the parts of backup-and-install done, the unit's invocation before the
+    # restart was sent (set: the restart may have happened), when the wait for the weights began
+    # and the start-up phases seen so far (its deadlines count from the first try).
+    done: set[str] = field(default_factory=set)
+    restart_from: Invocation | None = None
+    wait_started: float | None = None
+    tracker: PhaseTracker | None = None
 
     @property
     def previous(self) -> str | None:
@@ -104,7 +110,12 @@ class Runbook:
 
     # -- lock ------------------------------------------------------------------------------------
     def lock(self, opts: DeployOptions) -> LockHolder:
-        return self.store.acquire_lock(opts.command, break_tokens=opts.break_tokens)
+        """The host's deploy lock, the request retried through a lost connection (nothing has
+        changed yet). A lock a live run holds is final (LockHeldError, exit 5); one whose answer
+        was lost with the connection is held by this run's orphaned agent, which the next try
+        takes over at once (agent/lock.py)."""
+        return self.reconnecting(self.window(opts), lambda: self.store.acquire_lock(
+            opts.command, break_tokens=opts.break_tokens), "take the deploy lock")
 
     def unlock(self, lock: LockHolder) -> None:
         try:
@@ -148,7 +159,7 @@ class Runbook:
         """A journal means a deploy or a rollback was interrupted: roll that deploy back, or finish
         that rollback, before anything else (reconnecting for up to `window_s` seconds when the
         connection is lost: both can be done again). Returns the release it was about."""
-        journal = self.read_journal()
+        journal = self.reconnecting(window_s, self.read_journal, "read the journal")
         if not journal:
             return None
         rid = journal["release"]
@@ -256,15 +267,32 @@ class Runbook:
         self.step(step)
 
     def _guarded(self, step: str, fn: Callable[[], Any]) -> Any:
+        """A step the host refused fails it (StepFailed: rolled back). A lost connection is not the
+        step's failure: it goes up to Runbook.reconnecting, which resumes the phase."""
         try:
             return fn()
-        except (RemoteCommandError, UnreachableError) as e:
+        except RemoteCommandError as e:
             raise StepFailed(step, str(e)) from None
 
     # -- backup and install ----------------------------------------------------------------------
     def backup_and_install(self, ps: PatchSet, plan: HostPlan, release: Release, opts: DeployOptions) -> None:
         """Record the release, back up every path it touches (read back), install the files and the
-        unit atomically, daemon-reload, stop and disable the conflicting units, enable ours."""
+        unit atomically, daemon-reload, stop and disable the conflicting units, enable ours.
+
+        Resumable (run again after a lost connection, `release.done` says what is done): the
+        backup is made again only while nothing is installed (the files are still the ones it
+        copies); the install writes every file again (each write is atomic and the same bytes, so
+        files installed before the cut are rewritten as they are); stopping, disabling and
+        enabling units are the same commands again."""
+        if "backup" not in release.done:
+            self._backup(ps, plan, release, opts)
+            release.done.add("backup")
+        if "install" not in release.done:
+            self._install(ps, plan, release)
+            release.done.add("install")
+        self._stop_conflicts(release)
+
+    def _backup(self, ps: PatchSet, plan: HostPlan, release: Release, opts: DeployOptions) -> None:
         h, rid, j = self.host, release.id, release.journal
         self.store.write_release(rid, id=rid, created=time.time(), patchset=ps.label,
                                  patchset_digest=ps.digest(), bundle=opts.bundle_id, budget=h.budget,
@@ -280,6 +308,8 @@ class Runbook:
             raise stand_down(self.store, rid, changed_error(h.name, paths, backed_up.changed))
         self.session.hooks.pause("after-backup")
 
+    def _install(self, ps: PatchSet, plan: HostPlan, release: Release) -> None:
+        h = self.host
         self._journal(release, "install")
         files = [InstallFile(f.path, b64(pf.source.read_bytes()), pf.sha256, pf.mode)
                  for f, pf in zip(plan.files, ps.files, strict=True)]
@@ -294,6 +324,8 @@ class Runbook:
         # rollback restores the files while the old server keeps serving.
         self._guarded("launch check", lambda: self.check_launch(plan))
 
+    def _stop_conflicts(self, release: Release) -> None:
+        h, j = self.host, release.journal
         self._journal(release, "stop conflicts")
         for u in h.conflicts:
             if j["active_before"].get(u) in RUNNING:
@@ -347,24 +379,57 @@ class Runbook:
 
     # -- restart, wait and gate ------------------------------------------------------------------
     def restart(self, release: Release) -> None:
+        """Stop the old server (a redeploy), then start ours. Resumable: once the restart may have
+        been sent (`release.restart_from` set), a resumed phase first asks systemd whether the
+        unit was started since (a new InvocationID) and then never sends it again: a 1T model
+        would load twice."""
+        unit = self.host.unit
+        if release.restart_from is not None and self._restarted_meanwhile(release):
+            return
         self._journal(release, "restart")
-        if self.services_before()[self.host.unit].active in RUNNING:  # a redeploy: it serves now
-            self.drain(self.host.unit, from_record(self.host, release.journal.get(JOURNAL_KEY)))
+        if self.services_before()[unit].active in RUNNING:  # a redeploy: it serves now
+            self.drain(unit, from_record(self.host, release.journal.get(JOURNAL_KEY)))
             self.phase("stop")
-            self._guarded("restart", lambda: self.services.stop(self.host.unit))
+            self._guarded("restart", lambda: self.services.stop(unit))
             self._guarded("gpus free", self.wait_gpus_free)
         # The unit's log as it is before the start: the previous server's lines name no phase of
         # the new one (startup.PhaseTracker ignores them).
-        self._log_before = self._guarded("restart", lambda: self.services.probe(self.host.unit)).log
+        self._log_before = self._guarded("restart", lambda: self.services.probe(unit)).log
+        release.restart_from = self._guarded("restart", lambda: self.services.invocation(unit))
         self.phase("start")
-        self._guarded("restart", lambda: self.services.restart(self.host.unit))
-        release.pid = self.services.main_pid(self.host.unit)
+        self._guarded("restart", lambda: self.services.restart(unit))
+        release.pid = self.services.main_pid(unit)
+
+    def _restarted_meanwhile(self, release: Release) -> bool:
+        """After a lost connection: whether the restart sent before it happened (the unit has a new
+        invocation); its MainPID then becomes the release's. A server that systemd's Restart= had
+        to start again meanwhile crashed: that fails the restart (rolled back)."""
+        unit, before = self.host.unit, release.restart_from
+        assert before is not None
+        now = self._guarded("restart", lambda: self.services.invocation(unit))
+        while now.id == before.id and now.active == "deactivating":  # the restart's stop is under way
+            self.session.sleep(self.host.health.poll_interval_s)
+            now = self._guarded("restart", lambda: self.services.invocation(unit))
+        if now.id == before.id:
+            return False
+        if now.n_restarts > before.n_restarts:
+            raise StepFailed("restart", f"{unit} was started again by systemd (Restart=, {now.n_restarts} time(s)) "
+                                        f"while the connection was lost: the new server crashed")
+        release.pid = now.main_pid
+        self.step("restart", f"sent before the connection was lost; {unit} started (pid {now.main_pid}), not "
+                             f"restarted again")
+        return True
 
     def wait_and_gate(self, release: Release, deadline_s: float | None = None) -> None:
         """Wait for the weights to load (/health 200, the process never replaced), then the gate."""
         h = self.host
         self._journal(release, "wait for weights")
         self.session.hooks.pause("wait-for-weights")
+        # Resumed after a lost connection: the deadlines count from the first try, and the
+        # start-up phases seen then are not seen twice.
+        if release.wait_started is None:
+            release.wait_started = self.session.monotonic()
+            release.tracker = PhaseTracker(frozenset(self._log_before))
         last = [0.0]
 
         def progress(elapsed: float, line: str) -> None:
@@ -381,8 +446,8 @@ class Runbook:
         phase = "wait for weights"
         try:
             took = wait_until_serving(self.session, h.unit, expected_pid=release.pid, deadline_s=deadline_s,
-                                      progress=progress, phases=PhaseTracker(frozenset(self._log_before)),
-                                      on_phase=on_phase)
+                                      progress=progress, phases=release.tracker, on_phase=on_phase,
+                                      started_at=release.wait_started)
             self.step("serving", f"/health 200 after {took:.1f} s")
             self.phase("health gate")
             phase = "health gate"
@@ -391,7 +456,7 @@ class Runbook:
                       + (f", accept length {gate.accept_length:.2f}" if gate.accept_length is not None else ""))
         except HealthFailure as e:
             raise StepFailed(phase, str(e), e.log) from None
-        except (RemoteCommandError, UnreachableError) as e:
+        except RemoteCommandError as e:  # a lost connection goes up to be resumed (Runbook.reconnecting)
             raise StepFailed(phase, str(e)) from None
 
     def soak(self, release: Release) -> None:
@@ -405,7 +470,7 @@ class Runbook:
             n = soak(self.session, self.host.unit, release.pid)
         except HealthFailure as e:
             raise StepFailed("soak", str(e), e.log) from None
-        except (RemoteCommandError, UnreachableError) as e:
+        except RemoteCommandError as e:  # a lost connection goes up to be resumed
             raise StepFailed("soak", str(e)) from None
         self.step("soak", f"healthy for {self.session.monotonic() - t0:.1f} s ({n} generations, min_healthy_s "
                           f"{hs.min_healthy_s:g})")
@@ -439,7 +504,7 @@ class Runbook:
         # Committed: from here on nothing undoes the release. Housekeeping that fails is said.
         try:
             removed = self.store.prune(h.keep_releases)
-        except (RemoteCommandError, UnreachableError) as e:
+        except RemoteCommandError as e:  # a lost connection: the commit phase is resumed, prune again
             self.warnings.append(f"release {release.id} committed, but pruning old releases failed: {e}")
             removed = []
         self.step("committed", f"release {release.id}" + (f"; pruned {', '.join(removed)}" if removed else "")
@@ -501,6 +566,11 @@ class Runbook:
         (the rollback is idempotent, so it starts again from the beginning)."""
         self.reconnecting(window_s, lambda: self.roll_back(rid, journal, **kw), "roll back")
 
+    def window(self, opts: DeployOptions) -> float:
+        """How long a lost connection is retried in this run: `opts.reconnect_s` when set (library
+        callers, the fast tier), else the host's `reconnect_window_s` (or DDTREE_OPS_RECONNECT_S)."""
+        return opts.reconnect_s if opts.reconnect_s is not None else reconnect_window_s(self.host)
+
     def reconnecting(self, window_s: float, fn: Callable[[], Any], what: str = "carry on") -> Any:
         """Run `fn` (idempotent), reconnecting and running it again while the connection is lost,
         for up to `window_s` seconds. A reconnect takes the operation's lock again, from the
@@ -520,24 +590,24 @@ class Runbook:
                 if self.session.monotonic() >= deadline:
                     raise lost from None
                 self.log.note(f"connection lost ({reason(lost)}); reconnecting to {what}")
-            self._reconnect_until(deadline, window_s)
+            reached = self._reconnect_until(deadline, window_s)
+            self.step("reconnected", f"after {reached.tries} tr{'y' if reached.tries == 1 else 'ies'} in "
+                                     f"{reached.seconds:.1f} s; {what}")
 
-    def _reconnect_until(self, deadline: float, window_s: float) -> None:
+    def _reconnect_until(self, deadline: float, window_s: float) -> Reached[None]:
         """A fresh connection and the lock taken again, retried with a growing pause (sshd may be
-        killing every new session for a while) until `deadline`; UnreachableError naming the last
-        cause after that. LeaseLost, LockHeldError and HostKeyError end it at once."""
-        pause, tries = RECONNECT_FIRST_PAUSE_S, 0
-        while True:
-            self.session.sleep(max(min(pause, deadline - self.session.monotonic()), 0.05))
-            tries += 1
-            try:
-                self.session.reconnect()
-                return
-            except UnreachableError as e:
-                if self.session.monotonic() >= deadline:
-                    raise UnreachableError(f"{reason(e)} (kept retrying for {window_s:g} s, {tries} tries)") from None
-                pause = min(pause * 2, RECONNECT_MAX_PAUSE_S)
-                self.log.note(f"reconnect failed ({reason(e)}); trying again in {pause:g} s")
+        killing every new session for a while) until `deadline` (first_contact.py's rule);
+        UnreachableError naming the last cause after that. LeaseLost, LockHeldError and
+        HostKeyError end it at once."""
+        def note(e: BaseException, pause: float) -> None:
+            self.log.note(f"reconnect failed ({reason(e)}); trying again in {pause:g} s")
+
+        try:
+            return retry_until_reached(self.session.reconnect, window_s=max(deadline - self.session.monotonic(), 0.0),
+                                sleep=self.session.sleep, clock=self.session.monotonic,
+                                first_pause_s=FIRST_PAUSE_S, on_retry=note)
+        except WindowExceeded as e:
+            raise UnreachableError(f"{reason(e.last)} (kept retrying for {window_s:g} s, {e.tries} tries)") from None
 
     def begin_rollback(self, undo: list[str], to: str | None, to_original: bool, oldest: dict[str, Any],
                        lock: LockHolder, rollout: str | None = None) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from ..config.redaction import scrub_lines
 from ..errors import (
@@ -69,6 +69,10 @@ class HostResult:
     repaired: str | None = None  # an interrupted deploy this run repaired first
     perf_gate: dict[str, Any] | None = None  # the canary's performance gate (perfgate.GateVerdict.as_dict)
     serving: dict[str, Any] | None = None  # the server's accept length, tok/s before → after (fleet/serving_sample.py)
+    # Tries the first connection took (1: at once; more: it rode out an SSH blip), and connections
+    # lost and made again during the run (each followed by the phase resumed).
+    connect_tries: int = 1
+    reconnects: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """For --json. The log lines were scrubbed where they were read (deploy.describe_failure);
@@ -77,6 +81,19 @@ class HostResult:
         d["outcome"] = self.outcome.value
         d["log"] = scrub_lines(self.log)
         return d
+
+
+class _Connected(Protocol):
+    connect_tries: int
+    reconnects: int
+
+
+def with_tries(result: HostResult, session: _Connected) -> HostResult:
+    """The row says what the host's connection took: the first contact's tries, the reconnects
+    during the run."""
+    result.connect_tries = session.connect_tries
+    result.reconnects = max(result.reconnects, session.reconnects)
+    return result
 
 
 def outcome_of(exc: BaseException) -> Outcome:
@@ -106,6 +123,8 @@ def failed_result(host: str, exc: BaseException, seconds: float, **fields: Any) 
         return carried
     row: dict[str, Any] = {"outcome": outcome_of(exc), "exit_code": getattr(exc, "exit_code", EXIT_ERROR),
                            "message": str(exc) if str(exc).strip() else reason(exc)}
+    if isinstance(getattr(exc, "tries", None), int):  # a first contact that never answered (WindowExceeded)
+        row["connect_tries"] = exc.tries
     row.update(fields)
     return HostResult(host, seconds=seconds, **row)
 

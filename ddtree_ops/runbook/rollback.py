@@ -135,7 +135,7 @@ def _restore(r: RollbackRun, i: int) -> None:
     no flags) finishes the rollback."""
     rb = r.nodes[i]
     try:
-        rb.reconnecting(r.opts.reconnect_s, lambda: rb.finish_rollback(r.journal), "finish the rollback")
+        rb.reconnecting(rb.window(r.opts), lambda: rb.finish_rollback(r.journal), "finish the rollback")
     except LeaseLost:
         raise  # the host finishes the rollback itself (or was left as it was): its own message says so
     except LockHeldError as e:  # another run took the host over: it finishes the rollback, or did
@@ -165,7 +165,7 @@ def rollback_host(session: HostSession, to: str | UndoRollout | None, opts: Depl
     h = rb.host
     lock = rb.lock(opts)
     try:
-        repaired = rb.repair_interrupted(opts.reconnect_s)
+        repaired = rb.repair_interrupted(rb.window(opts))
         if repaired:  # the host is back on what was current before that deploy; stop there
             return HostResult(h.name, Outcome.ROLLED_BACK, 0, release=repaired, steps=rb.steps,
                               seconds=time.monotonic() - t0, repaired=repaired,

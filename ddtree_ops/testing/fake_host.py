@@ -19,8 +19,9 @@
 
 Faults are injected by name: `fail_next["agent install"] = "disk full"` makes the next `install`
 fail as the host would report it; `fail_next["systemctl restart UNIT"]`, `drop_connection_at` likewise;
-`fault_at_call = ("fail"|"drop"|"kill", k)` hits the k-th call whatever it is ("kill": the
-controller dies there, see ControllerKilled).
+`fault_at_call = ("fail"|"drop"|"lost-answer"|"kill", k)` hits the k-th call whatever it is
+("drop": the connection is lost before the call reaches the host; "lost-answer": the host does it
+and the answer is lost with the connection; "kill": the controller dies there, see ControllerKilled).
 `events` records every call in order, so a test reads the runbook's steps back (agent requests
 as "agent OP", unit actions as their systemctl command line, reads as "systemctl states",
 "systemctl show MainPID", "probe UNIT" and "nvidia-smi").
@@ -31,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -89,6 +91,8 @@ class FakeUnit:
     loading_polls: int = 0  # probes left until the process has loaded
     fate: str = "serve"  # what happens when it has loaded: serve | crash | hang
     ready: bool = False
+    invocation: str = ""  # systemd's InvocationID: new at every start, empty until the first
+    n_restarts: int = 0  # systemd's NRestarts: starts its Restart= made (a test sets it)
 
 
 class FakeHost:
@@ -104,6 +108,8 @@ class FakeHost:
         # Fail the k-th remote call (1-based) of whatever runs next: ("fail"|"drop"|"kill", k).
         self.fault_at_call: tuple[str, int] | None = None
         self.calls = 0
+        self.answer_lost: str | None = None  # set by a "lost-answer" fault until the call has run
+        self.started: list[str] = []  # every unit start (restart) the host did, in order
         self.clock = 0.0  # the fake link's clock: a sleep advances it, nothing waits
         self.reconnects = 0
         self.accept_lengths: dict[str, float] = {}  # per unit; 3.5 when not set
@@ -181,6 +187,9 @@ class FakeHost:
                 raise ControllerKilled(f"the controller was killed at call {self.calls} ({name}) (fake)")
             if kind == "drop":
                 raise UnreachableError(f"{self.host.name}: connection lost at call {self.calls} ({name}) (fake)")
+            if kind == "lost-answer":  # the host does it; the answer is lost with the connection
+                self.answer_lost = f"{self.host.name}: connection lost after call {self.calls} ({name}) (fake)"
+                return
             raise RemoteCommandError(f"{self.host.name}: call {self.calls} ({name}) failed (fake)")
         if name in self.drop_connection_at:
             self.drop_connection_at.discard(name)
@@ -223,6 +232,8 @@ class FakeHost:
             self.ended_pids.add(u.pid)
         self._next_pid += 1
         u.active, u.pid, u.ready = "active", self._next_pid, False
+        u.invocation = uuid.uuid4().hex
+        self.started.append(unit)
         u.loading_polls = self.load_polls
         u.fate = self.boot(self, unit)
 
@@ -344,9 +355,13 @@ class FakeLink:
         self._point(event_name(request) if op == "run" else f"agent {op}")
         if self.proc is None:
             self.proc = Agent()
-        if op == "run":
-            return answer_run(self.fake, request)
-        return self.fake.agent(request, self.proc)
+        try:
+            return answer_run(self.fake, request) if op == "run" else self.fake.agent(request, self.proc)
+        finally:  # the answer (an error too) lost with the connection
+            lost, self.fake.answer_lost = self.fake.answer_lost, None
+            if lost:
+                self._kill(f"connection lost ({lost})")
+                raise UnreachableError(lost)
 
     def http_transport(self) -> httpx.BaseTransport:
         return httpx.MockTransport(self.fake.handle_http)

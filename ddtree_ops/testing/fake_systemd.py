@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from .fake_host import FakeHost
 
 # The order systemd prints properties in: the Service interface's, then the Unit interface's.
-SHOW_ORDER = ("MainPID", "Id", "ActiveState", "UnitFileState")
+SHOW_ORDER = ("MainPID", "NRestarts", "Id", "ActiveState", "UnitFileState", "InvocationID")
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,8 @@ def event_name(request: dict[str, Any]) -> str:
         return argv[0]
     if argv[1] == "show":
         props, _ = _show_args(argv[2:])
+        if "InvocationID" in props:
+            return "systemctl show InvocationID"
         return "systemctl show MainPID" if props == ["MainPID"] else "systemctl states"
     return " ".join(argv)
 
@@ -83,7 +85,8 @@ def _show_args(args: list[str]) -> tuple[list[str], list[str]]:
 def _show_block(fake: FakeHost, unit: str, props: list[str]) -> str:
     u = fake.units.get(unit)
     values = {"Id": unit, "ActiveState": u.active if u else "inactive", "UnitFileState": u.enabled if u else "",
-              "MainPID": str((u.pid if u else None) or 0)}
+              "MainPID": str((u.pid if u else None) or 0), "NRestarts": str(u.n_restarts if u else 0),
+              "InvocationID": u.invocation if u else ""}
     return "".join(f"{p}={values[p]}\n" for p in SHOW_ORDER if p in props)
 
 

@@ -6,8 +6,9 @@ With DDTREE_OPS_TEST_PAUSE_AT=<point> and DDTREE_OPS_TEST_PAUSE_FILE=<path>, the
 "<pid> <point>" to <path> when it reaches <point> and waits until the file is removed (points:
 `ddtree_ops.host.hooks`; "between-files" is written ON THE HOST by the agent).
 
-DDTREE_OPS_TEST_FAULT="<fail|drop>:<call>:<n>" makes the n-th call named <call> fail as a host
-would report it ("fail"), or cuts the SSH connection just before it ("drop"). A call is named by
+DDTREE_OPS_TEST_FAULT="<fail|drop|lost-answer>:<call>:<n>" makes the n-th call named <call> fail
+as a host would report it ("fail"), cuts the SSH connection just before it ("drop"), or just after
+the host did it, before its answer is read ("lost-answer"). A call is named by
 the agent op ("journal", "backup", "install", "release_write", "set_current", "prune", ...), a
 unit action by its systemctl verb ("systemctl restart"), a unit probe "probe".
 
@@ -37,7 +38,7 @@ class EnvHooks(Hooks):
         self.pause_at, self.pause_file = pause_at, pause_file
         self.fault_spec = fault_spec.split(":") if fault_spec else None
         if self.fault_spec is not None and len(self.fault_spec) != 3:
-            raise ValueError(f"{FAULT} must be <fail|drop>:<call>:<n>, got {fault_spec!r}")
+            raise ValueError(f"{FAULT} must be <fail|drop|lost-answer>:<call>:<n>, got {fault_spec!r}")
         self._seen: dict[str, int] = {}
         self._lock = threading.Lock()  # hosts of a batch call in parallel threads
 

@@ -7,8 +7,10 @@ rollback, over 16, 64 and 256 fake hosts, in-process (no sandbox, no SSH).
 Each (size, repeat) runs in a fresh interpreter, so ru_maxrss is that size's own peak; the sizes
 are interleaved over the repeats so machine load spreads over all of them. Per run: the
 controller's CPU seconds (user + sys of the process, `time.process_time`) and wall time of the
-deploy and of the rollback, peak RSS, peak thread count (Python's and the kernel's) and peak open
-file descriptors, sampled from a sampler thread.
+deploy and of the rollback; peak RSS (the kernel's high-water mark, reset before the rollout); the
+rollout's peak thread count (its threads counted as they start and end, not sampled; the kernel's
+count read at each start); and peak open file descriptors (sampled every SAMPLE_EVERY_S: a lower
+bound).
 
 The fake hosts run the real host agent in-process, so the process's CPU includes work that on a
 fleet runs on each host: the agent's CPU is measured apart (thread CPU time around each agent
@@ -77,10 +79,13 @@ class Peaks:
 
 
 class Sampler:
-    """Samples thread count, open fds and RSS every SAMPLE_EVERY_S until stopped."""
+    """Samples open fds and VmRSS every SAMPLE_EVERY_S until stopped: a sample can miss a peak, so
+    these are lower bounds (the RSS reported is the kernel's high-water mark when it can be reset,
+    see `PeakRss`)."""
 
     def __init__(self) -> None:
-        self.peaks = Peaks()
+        self.fds = 0
+        self.rss_kib = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="bench-sampler", daemon=True)
 
@@ -100,20 +105,106 @@ class Sampler:
                 return
 
     def sample(self) -> None:
-        p = self.peaks
-        status = _proc_status()
-        # The sampler itself is one of the threads counted: left out, so the numbers are the rollout's.
-        p.py_threads = max(p.py_threads, threading.active_count() - 1)
-        p.os_threads = max(p.os_threads, status.get("Threads", 1) - 1)
-        p.rss_kib = max(p.rss_kib, status.get("VmRSS", 0))
-        p.fds = max(p.fds, len(os.listdir("/proc/self/fd")))
+        self.rss_kib = max(self.rss_kib, _proc_status().get("VmRSS", 0))
+        self.fds = max(self.fds, len(os.listdir("/proc/self/fd")))
+
+
+class ThreadCount:
+    """The threads a rollout starts, counted as they start and end: not sampled, so neither a short
+    thread between two samples nor a thread of someone else is in the figure.
+
+    Inside the block, a thread started by the thread that entered it, or by one of the threads it
+    started, is ours: `threading.Thread.start` is wrapped (and put back on exit) to give each of
+    ours a `run` that counts it up when it begins and down when it returns. `py_threads` is the
+    block's own thread plus the most of ours alive at once; `os_threads` the kernel's count of the
+    process's threads (/proc/self/status) each time one of ours begins, less the threads that were
+    there before the block, plus the block's own (the kernel's view of the same peak: it also
+    counts threads that are not Python's). A sampler thread reading /proc while threads come and go
+    missed a short-lived peak, and counted the threads another test left running in the same
+    pytest worker (and itself)."""
+
+    def __init__(self) -> None:
+        self.py_threads = 1
+        self.os_threads = 1
+        self._lock = threading.Lock()
+        self._ours: set[threading.Thread] = set()
+        self._live = 0
+        self._os_before = 0
+        self._root: threading.Thread | None = None
+        self._start: Callable[..., None] | None = None
+
+    def __enter__(self) -> ThreadCount:
+        self._root = threading.current_thread()
+        self._os_before = _proc_status().get("Threads", 1)
+        self._start = threading.Thread.start
+        start, count = self._start, self
+
+        def counted_start(thread: threading.Thread, *args: Any, **kwargs: Any) -> None:
+            count._adopt(thread)
+            start(thread, *args, **kwargs)
+
+        threading.Thread.start = counted_start  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        threading.Thread.start = self._start  # type: ignore[method-assign]
+
+    def _adopt(self, thread: threading.Thread) -> None:
+        with self._lock:
+            if threading.current_thread() is not self._root and threading.current_thread() not in self._ours:
+                return  # not started by the rollout
+            self._ours.add(thread)
+        run = thread.run
+
+        def counted_run() -> None:
+            self._began()
+            try:
+                run()
+            finally:
+                with self._lock:
+                    self._live -= 1
+                    self._ours.discard(thread)
+
+        thread.run = counted_run  # type: ignore[method-assign]
+
+    def _began(self) -> None:
+        with self._lock:
+            self._live += 1
+            self.py_threads = max(self.py_threads, 1 + self._live)
+            os_now = _proc_status().get("Threads", 0)
+            self.os_threads = max(self.os_threads, os_now - self._os_before + 1)
+
+
+class PeakRss:
+    """The process's peak RSS over the block: the kernel's high-water mark (VmHWM), reset to the
+    current RSS on entry (`echo 5 > /proc/self/clear_refs`), so it is the block's peak, not the
+    process's lifetime one, and never below the RSS on entry. `exact` is False where the reset is
+    refused; the caller then has only samples."""
+
+    def __init__(self) -> None:
+        self.exact = False
+        self.before_kib = 0
+        self.peak_kib = 0
+
+    def __enter__(self) -> PeakRss:
+        try:
+            with open("/proc/self/clear_refs", "w") as fh:
+                fh.write("5")
+            self.exact = True
+        except OSError:
+            self.exact = False
+        self.before_kib = _proc_status().get("VmRSS", 0)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.peak_kib = _proc_status().get("VmHWM", 0) if self.exact else 0
 
 
 def _proc_status() -> dict[str, int]:
     out = {}
     for line in Path("/proc/self/status").read_text().splitlines():
         key, _, value = line.partition(":")
-        if key in ("Threads", "VmRSS"):
+        if key in ("Threads", "VmRSS", "VmHWM"):
             out[key] = int(value.split()[0])
     return out
 
@@ -226,16 +317,18 @@ def measure_size(hosts: int, plan: Plan, work: Path, *, marker: bytes = b"") -> 
     connect = _connector(fakes, account)
     targets = [Target(f.host.name, (f.host,)) for f in fakes]
     opts = DeployOptions(command="bench_controller_scale")
-    rss_before = _proc_status().get("VmRSS", 0)
-    with Sampler() as sampler:
+    # The sampler's thread starts before the count: it is not the rollout's.
+    with Sampler() as sampler, PeakRss() as rss, ThreadCount() as threads:
         dep, deploy = _timed(lambda: rolling_deploy(targets, ps, opts, canary=plan.canary, batch=plan.batch,
                                                     forks=plan.forks, connect=connect), account)
         _require(deploy, "deployed", hosts, "the deploy")
         _, rollback = _timed(lambda: rolling_rollback(targets, None, opts, batch=plan.batch, forks=plan.forks,
                                                       connect=connect), account)
         _require(rollback, "rolled_back", hosts, "the rollback")
+    peaks = Peaks(py_threads=threads.py_threads, os_threads=threads.os_threads, fds=sampler.fds,
+                  rss_kib=rss.peak_kib if rss.exact else sampler.rss_kib)
     return SizeRun(hosts, plan, len(dep.batches), max(len(b) for b in dep.batches), deploy, rollback,
-                   sampler.peaks, rss_before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+                   peaks, rss.before_kib, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 
 
 # ---------------------------------------------------------------------------------------------

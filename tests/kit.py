@@ -459,9 +459,9 @@ def write_inventory(sandbox, path: Path, host_vars: dict[str, dict] | None = Non
 
 @contextmanager
 def busy_loops(n: int) -> Iterator[list[subprocess.Popen]]:
-    """n processes spinning on a core each, ended by their PIDs."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
-             for _ in range(n)]
+    """n processes spinning on a core each (tests/busy_loop.py), ended by their PIDs."""
+    loop = str(Path(__file__).with_name("busy_loop.py"))
+    procs = [subprocess.Popen([sys.executable, loop], stdin=subprocess.DEVNULL) for _ in range(n)]
     try:
         yield procs
     finally:

@@ -44,11 +44,13 @@ WORKLOAD = Workload(concurrency=2, duration_s=0.4, min_requests=4, max_new_token
 # their slowest one, which one late wake-up makes (TTFT 52 -> 73 ms seen; the sandbox gate's tails
 # are as loose), and the releases share one 30 ms prefill, so TTFT moves only when the loaded machine
 # stalls a process (a median of 56 -> 122 ms seen with other jobs on the two cores besides the loops).
-# A starved stand-in catches up on its absolute clock with a burst of steps: one round's DFlash
-# baseline showed an ITL p50 of 0.3 ms (10 ms paced) in a fresh-clone CI run, and the DDTree
-# release's 3.3 ms then "failed" by +1164 %. Gaps under 10 ms are the machine's, not the release's.
+# The ITL p50 limits and the ITL floor are the defaults. A starved stand-in once caught up on an
+# absolute clock with the steps it had missed, back to back: one round's DFlash baseline showed an
+# ITL p50 of 0.3 ms (10 ms paced) in a fresh-clone CI run, and the DDTree release's 3.3 ms "failed"
+# by +1164 %. Its steps are now never less than a step time apart (a late step shifts the ones after
+# it, as on a GPU: tests/test_standin_server.py's starved-server test), so the ITL is the release's.
 THRESHOLDS = Thresholds(ttft_p99_marginal=9.0, ttft_p99_fail=10.0, itl_p99_marginal=9.0, itl_p99_fail=10.0,
-                        ttft_floor_s=0.1, itl_floor_s=0.01)
+                        ttft_floor_s=0.1)
 
 
 def _free_port() -> int:

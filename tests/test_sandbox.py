@@ -195,22 +195,33 @@ def _mounts_mentioning(text: str) -> list[str]:
         return [line for line in fh if text in line]
 
 
+def _still_runs(pid: int, started: int | None) -> bool:
+    """Whether the process this machine knew as `pid`, started at `started` (/proc/PID/stat's start
+    time), still runs. A PID alone is not a process: on this machine (pid_max 32768, a busy suite)
+    another process may have it a moment after the first one ended."""
+    from ddtree_ops.host.localproc import pid_alive, start_time
+
+    return pid_alive(pid) and started is not None and start_time(pid) == started
+
+
 @pytest.mark.sandbox  # starts its own test hosts
 def test_down_leaves_no_process_namespace_or_mount(tmp_path):
-    from ddtree_ops.host.localproc import pid_alive
+    from ddtree_ops.host.localproc import start_time
     from ddtree_ops.testing.sandbox import Sandbox, _namespace_pids
 
     sb = Sandbox(tmp_path / "own")
     try:
         sb.up(1, load_seconds=0.1)
         (h,) = sb.hosts()
-        pids = _namespace_pids(h)
+        # The machine's PIDs of the host's processes (its namespace seen from here), with their
+        # start times: after the down, a PID may already be another process's.
+        procs = {p: start_time(p) for p in _namespace_pids(h)}
         # systemd-nspawn, systemd, journald, sshd, the server (at least)
-        assert len(pids) >= 5 and h.container_pid in pids
+        assert len(procs) >= 5 and h.container_pid in procs
     finally:
         result = sb.down()
     assert result["hosts"] == 1 and result["killed"] >= 5
-    assert not any(pid_alive(p) for p in pids)
+    assert not any(_still_runs(p, t) for p, t in procs.items())
     assert not os.path.exists(f"/run/netns/{h.netns}")
     assert not os.path.exists(f"/sys/class/net/{h.veth}")
     assert not _mounts_mentioning(str(tmp_path / "own"))
@@ -219,17 +230,18 @@ def test_down_leaves_no_process_namespace_or_mount(tmp_path):
 
 @pytest.mark.sandbox  # starts its own test hosts
 def test_up_again_replaces_the_previous_hosts_cleanly(tmp_path):
-    from ddtree_ops.host.localproc import pid_alive
+    from ddtree_ops.host.localproc import start_time
     from ddtree_ops.testing.sandbox import Sandbox
 
     sb = Sandbox(tmp_path / "again")
     try:
         sb.up(1, load_seconds=0.1)
         (old,) = sb.hosts()
+        old_started = start_time(old.container_pid)
         sb.up(1, load_seconds=0.1)
         (new,) = sb.hosts()
         assert new.netns != old.netns
-        assert not os.path.exists(f"/run/netns/{old.netns}") and not pid_alive(old.container_pid)
+        assert not os.path.exists(f"/run/netns/{old.netns}") and not _still_runs(old.container_pid, old_started)
         assert sb.status()[0]["health_up"]
     finally:
         sb.down()

@@ -12,13 +12,45 @@ unit that does not exist exits 5; the runbook only acts on units it read first).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from ..host.gpus import of_our_units
+from ..host.gpus import GpuApp, of_our_units
 
-if TYPE_CHECKING:
-    from .fake_host import FakeHost
+
+class SystemdUnit(Protocol):
+    """What systemd knows of one unit, as these programs print it (fake_host.FakeUnit)."""
+
+    active: str
+    enabled: str
+    pid: int | None
+    ready: bool
+    invocation: str
+    n_restarts: int
+
+
+class SystemdHost(Protocol):
+    """The host these programs run on: what they read and the unit actions they take
+    (fake_host.FakeHost). A protocol of its own, so this module needs nothing of fake_host,
+    which imports it."""
+
+    @property
+    def units(self) -> Mapping[str, SystemdUnit]: ...
+
+    gpu_apps: list[GpuApp] | None
+    procs: dict[int, dict[str, Any]]
+    gpu_linger: dict[int, int]
+    ended_pids: set[int]
+
+    def start(self, unit: str) -> None: ...
+
+    def stop(self, unit: str) -> None: ...
+
+    def set_enabled(self, unit: str, enabled: bool) -> None: ...
+
+    def tick(self) -> None: ...
+
 
 # The order systemd prints properties in: the Service interface's, then the Unit interface's.
 SHOW_ORDER = ("MainPID", "NRestarts", "Id", "ActiveState", "UnitFileState", "InvocationID")
@@ -34,7 +66,7 @@ class Answer:
         return {"rc": self.rc, "stdout": self.stdout, "stderr": self.stderr}
 
 
-def answer_run(fake: FakeHost, request: dict[str, Any]) -> dict[str, Any]:
+def answer_run(fake: SystemdHost, request: dict[str, Any]) -> dict[str, Any]:
     """The agent's `run` reply: one program (`argv`) or several in a row (`argvs`). A unit probe
     (its state and its log tail) is a look by the health wait, once per poll: time passes for every
     loading server first."""
@@ -45,7 +77,7 @@ def answer_run(fake: FakeHost, request: dict[str, Any]) -> dict[str, Any]:
     return run_program(fake, list(request["argv"])).as_dict()
 
 
-def run_program(fake: FakeHost, argv: list[str]) -> Answer:
+def run_program(fake: SystemdHost, argv: list[str]) -> Answer:
     if argv[0] == "systemctl":
         return _systemctl(fake, argv[1:])
     if argv[0] == "journalctl":
@@ -82,7 +114,7 @@ def _show_args(args: list[str]) -> tuple[list[str], list[str]]:
     return props, args[i:]
 
 
-def _show_block(fake: FakeHost, unit: str, props: list[str]) -> str:
+def _show_block(fake: SystemdHost, unit: str, props: list[str]) -> str:
     u = fake.units.get(unit)
     values = {"Id": unit, "ActiveState": u.active if u else "inactive", "UnitFileState": u.enabled if u else "",
               "MainPID": str((u.pid if u else None) or 0), "NRestarts": str(u.n_restarts if u else 0),
@@ -90,7 +122,7 @@ def _show_block(fake: FakeHost, unit: str, props: list[str]) -> str:
     return "".join(f"{p}={values[p]}\n" for p in SHOW_ORDER if p in props)
 
 
-def _systemctl(fake: FakeHost, args: list[str]) -> Answer:
+def _systemctl(fake: SystemdHost, args: list[str]) -> Answer:
     verb, rest = args[0], args[1:]
     if verb == "show":
         props, units = _show_args(rest)
@@ -113,7 +145,7 @@ def _systemctl(fake: FakeHost, args: list[str]) -> Answer:
     return Answer(0)
 
 
-def _journalctl(fake: FakeHost, args: list[str]) -> Answer:
+def _journalctl(fake: SystemdHost, args: list[str]) -> Answer:
     """`journalctl -u UNIT -n N --no-pager`: the unit's state as its last log line."""
     unit = args[args.index("-u") + 1]
     u = fake.units.get(unit)
@@ -125,7 +157,7 @@ def _journalctl(fake: FakeHost, args: list[str]) -> Answer:
 
 # -- nvidia-smi ----------------------------------------------------------------------------------
 
-def _nvidia_smi(fake: FakeHost) -> Answer:
+def _nvidia_smi(fake: SystemdHost) -> Answer:
     """`--query-compute-apps=pid,used_memory --format=csv,noheader,nounits`. A process of a stopped
     unit leaves the list after `gpu_linger` more looks (a worker still exiting); a process of a
     serving unit, or nobody's (a stranger), stays."""

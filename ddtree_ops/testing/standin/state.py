@@ -12,10 +12,16 @@ functions, `default_accept_length`'s formula; else 1. A step takes n/R seconds w
 BASE_VERIFY_STEPS_PER_SECOND), so the decode rate is N x the accept length tokens/s.
 
 The tokens themselves are the toy model's, sampled one by one (a few microseconds each; a tree
-verify is lossless, so they follow the same distribution as the payload's), and the steps are
-scheduled on an absolute clock: no maths of the payload runs per request, so a busy machine delays
-a chunk but not the ones after it, and every release slows alike (the same verdict of the perf gate
-on a busy machine as on an idle one)."""
+verify is lossless, so they follow the same distribution as the payload's), and no maths of the
+payload runs per request, so every release slows alike on a busy machine (the same verdict of the
+perf gate on a busy machine as on an idle one). A step is due one step time after the previous
+step was due or, when that one came out late, after it came out: as on a GPU, where a forward
+that starts late ends late, a server that was starved for a while goes on at its step time and
+never emits the steps it missed back to back (a burst of chunks a fraction of a millisecond
+apart, which a client would read as an inter-token latency far below the release's). Between two
+chunks on the server's clock there is therefore always at least one step time (with
+--standin-tokens-per-second R, the second chunk's tokens / R); only --standin-generate-seconds,
+which fixes a generation's whole duration, keeps its chunks on a schedule from the admission."""
 
 from __future__ import annotations
 
@@ -484,10 +490,10 @@ class Generation:
                 elif total_s > 0:
                     left = max(1, self.max_new - first_n)
                     due = t0 + ttft + (total_s - ttft) * (len(committed) - first_n) / left
-                elif rate is not None:
-                    due += len(step) / rate
                 else:
-                    due += step_s
+                    # A step starts when the previous one is out, and not before it was due: a late
+                    # chunk shifts the steps after it (never a burst of missed steps to catch up).
+                    due = max(due, times[-1]) + (len(step) / rate if rate is not None else step_s)
                 if final and total_s > 0:
                     due = t0 + total_s
                 _sleep_until(due)

@@ -601,7 +601,7 @@ def test_sandbox_up_router_writes_the_router_section_and_down_stops_it(tmp_path,
     import yaml
 
     from ddtree_ops.config.inventory import load_inventory
-    from ddtree_ops.host.localproc import pid_alive
+    from ddtree_ops.host.localproc import pid_alive, start_time
     from ddtree_ops.testing.sandbox import Sandbox, smg
     from kit import _require_sandbox, run_cli
 
@@ -627,6 +627,7 @@ def test_sandbox_up_router_writes_the_router_section_and_down_stops_it(tmp_path,
         for f in ("inventory.yaml", "sandbox.json", smg.LOG_FILE):
             assert key not in (d / f).read_text(errors="replace"), f
         pid = doc["router"]["pid"]
+        started = start_time(pid)  # a PID alone is not a process: it may be reused once the router ends
         assert key not in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")
 
         st = run_cli("sandbox", "status", "--dir", str(d), "--json")
@@ -645,7 +646,7 @@ def test_sandbox_up_router_writes_the_router_section_and_down_stops_it(tmp_path,
 
         down = run_cli("sandbox", "down", "--dir", str(d), "--json")
         assert down.code == 0, down.stderr
-        assert not pid_alive(pid)
+        assert started is not None and not (pid_alive(pid) and start_time(pid) == started)
         assert not d.exists()
     finally:
         Sandbox(d).down()

@@ -120,8 +120,11 @@ class TestHost:
         return pid or None
 
     def with_vars(self, tmp_path: Path, **host_vars) -> "TestHost":
-        """A copy of the inventory where this host has extra vars (e.g. fault knobs)."""
-        doc = yaml.safe_load(Path(self.sandbox.inventory_path).read_text())
+        """A copy of this host's inventory where it has extra vars (e.g. fault knobs); the vars of
+        an earlier with_vars are kept (it once started from the sandbox's inventory, so
+        `slow_load(th).with_vars(lock_lease_s=6)` lost the slow load, and a check that the weights
+        were still loading raced the 0.3 s load)."""
+        doc = yaml.safe_load(Path(self.inventory).read_text())
         hosts = doc["all"]["children"]["sandbox"]["hosts"]
         hosts[self.name] = {**hosts[self.name], **host_vars}
         out = tmp_path / f"inventory-{self.name}-{len(list(tmp_path.glob('inventory-*')))}.yaml"

@@ -411,14 +411,16 @@ def test_sigint_sigterm_or_sighup_at_each_point_rolls_back_cleanly_and_exits_3(c
 
 
 def _signal_during_the_rollback(th, start_cli, tmp: Path, first: signal.Signals | None, then: signal.Signals):
-    """`first` at the pause after the backup (None: no pause; the deploy fails on its own, its
-    connection cut before the restart), then `then` while the rollback waits to reconnect: its
-    connection is cut before its first restore (the sync point: the tool says it reconnects, and
-    waits a second before it does). The rollback is not cut short."""
+    """`first` at the pause after the backup (None: no pause; the deploy fails on its own: its new
+    module raises at import, so the server dies while loading), then `then` while the rollback
+    waits to reconnect: its connection is cut before its first restore (the sync point: the tool
+    says it reconnects, and waits a second before it does). The rollback is not cut short."""
     tmp.mkdir(parents=True, exist_ok=True)
-    ps = three_files(tmp, "R")
+    ps = three_files(tmp, "R") if first else make_patchset(tmp, {
+        "sglang/srt/speculative/ddtree_raises.py": b"raise RuntimeError('boom at import')\n",
+        DFLASH_INFO: upstream_file(DFLASH_INFO) + b"\n# R\n"})
     marker = tmp / "pause"
-    env = {FAULT: "drop:restore:1"} if first else {FAULT: "drop:systemctl restart:1"}
+    env = {FAULT: "drop:restore:1"}
     if first:
         env.update(pause_env("after-backup", marker))
     p = start_cli(*deploy_args(th, ps), env=env)
@@ -432,7 +434,7 @@ def _signal_during_the_rollback(th, start_cli, tmp: Path, first: signal.Signals 
     if first:
         assert res["outcome"] == "interrupted" and res["failed_step"].startswith(f"interrupted ({NAMED[first]})")
     else:
-        assert res["outcome"] == "rolled_back" and res["failed_step"] == "restart", res
+        assert res["outcome"] == "rolled_back" and res["failed_step"] == "wait for weights", res
     assert_pre_deploy(th)
     assert lock_free(th)
 

@@ -106,34 +106,32 @@ def routed_fleet(sandbox, clean_hosts, tmp_path):
         smg.stop(info)
 
 
-class SshdDown:
-    """A host's sshd stopped now and started again `seconds` later, on a thread (and at exit,
-    whatever happened): the first connection of the command started meanwhile is refused."""
+def first_host_unreachable(start_cli, sandbox, host: str, args: tuple[str, ...], env: dict, marker, down_s: float):
+    """`ddtree-ops ARGS` held at its first host's first contact (the before-connect pause point),
+    that host's sshd stopped, then let go: its first try meets a refused connection, and sshd comes
+    back `down_s` later. The result (sshd is started again whatever happens)."""
+    from test_faults import pause_env, wait_paused
 
-    def __init__(self, sandbox, name: str, seconds: float):
-        self.sandbox, self.name = sandbox, name
-        self._timer = threading.Timer(seconds, self._start)
-        self._started = threading.Lock()
-        self.up = False
-
-    def _start(self) -> None:
-        with self._started:
-            if not self.up:
-                self.sandbox.start_sshd(self.name)
-                self.up = True
-
-    def __enter__(self) -> SshdDown:
-        self.sandbox.stop_sshd(self.name)
-        self._timer.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._timer.join(60)
-        self._start()
+    p = start_cli(*args, env={**env, **pause_env("before-connect", marker)})
+    wait_paused(p, marker)
+    sandbox.stop_sshd(host)
+    up = False
+    try:
+        t0 = time.monotonic()
+        while p.proc.poll() is None and time.monotonic() - t0 < 600:
+            marker.unlink(missing_ok=True)  # each host's first contact pauses there
+            if not up and time.monotonic() - t0 >= down_s:
+                sandbox.start_sshd(host)
+                up = True
+            time.sleep(0.05)
+    finally:
+        if not up:
+            sandbox.start_sshd(host)
+    return p.wait(30)
 
 
 def test_a_rolling_deploy_and_a_rollback_through_smg_fail_no_request(routed_fleet, sandbox, good_patchset,
-                                                                      record_property, tmp_path):
+                                                                      record_property, start_cli, tmp_path):
     """The rollback's first host (sbx1) has its sshd down for 3 s as the rollback starts: its first
     contact is retried (it once ended that host's rollback at once, leaving it on the new release
     while the three others rolled back), and every host rolls back."""
@@ -150,9 +148,10 @@ def test_a_rolling_deploy_and_a_rollback_through_smg_fail_no_request(routed_flee
         after_deploy = run_cli("status", "-i", str(inv), "--json", env=env)
         t_back = time.monotonic() - client.t0
         # The default rollback (rolling, max_unavailable 1), its first host unreachable at first.
-        with RoutedSampler(info) as during_rollback, SshdDown(sandbox, "sbx1", 3.0):
-            back = run_cli("rollback", "-i", str(inv), "--yes", "--json", "--report", str(tmp_path / "rollback.html"),
-                           env=env, timeout=600)
+        with RoutedSampler(info) as during_rollback:
+            back = first_host_unreachable(start_cli, sandbox, "sbx1", (
+                "rollback", "-i", str(inv), "--yes", "--json", "--report", str(tmp_path / "rollback.html")), env,
+                tmp_path / "pause-before-connect", down_s=3.0)
         sent_rollback, failed_rollback = client.sent - sent_deploy, len(client.failed) - failed_deploy
         time.sleep(1.0)
     after_rollback = run_cli("status", "-i", str(inv), "--json", env=env)

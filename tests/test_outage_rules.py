@@ -128,6 +128,32 @@ def test_after_the_lock_was_taken_over_the_advice_is_status_never_rollback(fake,
     assert "then run `ddtree-ops rollback" not in msg, msg
 
 
+@pytest.mark.parametrize("lost_at", ["agent install", "systemctl restart sglang-k26-ddtree.service",
+                                     "probe sglang-k26-ddtree.service"])
+def test_a_phase_whose_reconnect_finds_the_lock_taken_leaves_the_host_to_that_run(fake, patchset, monkeypatch,
+                                                                                  lost_at):
+    """The connection is lost in the middle of the deploy and, while it is down, another operator
+    breaks the lock: the resumed phase's reconnect finds the lock in other hands. The host is that
+    run's now: nothing is resumed and nothing rolled back (not a single request after the reconnect
+    but the lock's), exit 4 with the advice to look first."""
+    other = fake.session()
+    fake.drop_connection_at.add(lost_at)
+    real = FakeLink.reconnect
+
+    def reconnect_after_a_breaker(self):
+        other.store.acquire_lock("deploy --break-lock")
+        real(self)
+
+    monkeypatch.setattr(FakeLink, "reconnect", reconnect_after_a_breaker)
+    with pytest.raises(RollbackFailed) as ei:
+        deploy_host(fake.session(), patchset, OPTS)
+    msg = str(ei.value)
+    assert ei.value.exit_code == 4 and "taken by another run" in msg and "Do not run `rollback` blindly" in msg, msg
+    after = fake.events[fake.events.index("reconnect") + 1:]
+    assert after == ["agent lock", "agent unlock"], after  # the re-take, refused; the unlock of its own token
+    assert fake.session().store.facts([])["lock"]["token"] == other.store.held.token  # still the breaker's
+
+
 def test_a_reconnect_whose_lock_answer_was_lost_takes_its_own_later_generation_back(fake, versioned_patchset,
                                                                                       monkeypatch):
     """The reply to a re-take of the lock is lost with the connection (the host took it: one

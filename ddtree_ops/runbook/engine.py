@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from ..artifacts.patchset import PatchSet
-from ..errors import ChangedSincePreflight, DdtreeOpsError, LeaseLost
+from ..errors import ChangedSincePreflight, DdtreeOpsError, LeaseLost, LockHeldError
 from .describe import describe_failure, interrupt_label
 from .events import EventSink, Failed
 from .options import DeployOptions
@@ -225,9 +225,15 @@ def fail(run: DeployRun, exc: BaseException, report: EventSink) -> DeployEnd:
         return leave(run, end)
     report(Failed(run.server or busy.host.name, end.failed_step, message,
                   "the host rolls itself back" if isinstance(exc, LeaseLost) else
+                  "another run holds the host now: not touched" if isinstance(exc, LockHeldError) else
                   "rolling back every node" if run.server else "rolling back"))
     for i in [i for i in ROLLBACK_ORDER.order(len(run.nodes)) if i in run.started]:
         n, r = run.nodes[i], run.releases[i]
+        if n.store.held is None:  # its lock went to another run at a reconnect: that run owns the node now
+            end.rollback_errors.append((n.host.name, exc if isinstance(exc, (LockHeldError, LeaseLost)) else
+                                        LockHeldError(f"{n.host.name}: the deploy lock was taken by another run "
+                                                      f"while the connection was down")))
+            continue
         try:
             n.roll_back_reconnecting(n.window(run.opts), r.id, r.journal, outcome=f"rolled back ({end.failed_step})",
                                      failed_step=end.failed_step, error=message)

@@ -90,6 +90,17 @@ class ChangedSincePreflight(PreflightError):
     anything and the deploy stops there, the host as preflight saw it (no rollback to run)."""
 
 
+class DriftedSinceRelease(PreflightError):
+    """A rollback (or the repair of an interrupted run) would restore backups over files, or into
+    an SGLang version, that changed since the release being undone installed them (a venv
+    upgraded under it): refused before anything was written; `rollback --force` restores anyway.
+    `check` is the host agent's answer (protocol.RestoreCheckReply)."""
+
+    def __init__(self, host: str, message: str, check: Any = None):
+        super().__init__(host, message)
+        self.check = check
+
+
 class Declined(InputError):
     """The operator answered no to the confirmation prompt: nothing was changed."""
 

@@ -290,6 +290,60 @@ def test_rollback_steps_back_one_release_then_to_original(fresh_host, good_patch
     assert {r["outcome"] for r in hist["releases"]} == {"rolled back"}
 
 
+# What `pip install -U sglang` to 0.5.24 leaves, as far as the tool can see it: two of the files the
+# release replaced rewritten, the dist-info renamed with its new Version (and the way back).
+_UPGRADE = r"""for f in "$@"; do echo '# sglang 0.5.24' >> "$SP/$f"; done
+mv "$SP/sglang-0.5.23.dist-info" "$SP/sglang-0.5.24.dist-info"
+sed -i 's/^Version: 0.5.23$/Version: 0.5.24/' "$SP/sglang-0.5.24.dist-info/METADATA"
+"""
+_DOWNGRADE = r"""[ -d "$SP/sglang-0.5.24.dist-info" ] || exit 0
+mv "$SP/sglang-0.5.24.dist-info" "$SP/sglang-0.5.23.dist-info"
+sed -i 's/^Version: 0.5.24$/Version: 0.5.23/' "$SP/sglang-0.5.23.dist-info/METADATA"
+"""
+# The files a rollback may write (sha256 or "-"), every file of the state dir but the lock file
+# (which each run takes), and the units' states: in one round trip.
+_LOOK = r"""for f in "$@"; do [ -f "$SP/$f" ] && sha256sum "$SP/$f" || echo "- $SP/$f"; done
+find "$STATE" -type f ! -name deploy.lock -exec sha256sum {} + | sort
+systemctl is-active "$UNIT" "$OTHER" || true
+"""
+
+
+def test_a_rollback_over_an_upgraded_sglang_is_refused_and_force_restores_the_backups(clean_host, tmp_path):
+    """Issue 29: deploy, upgrade SGLang in the venv under the release, roll back: exit 2, nothing
+    written, the files and versions named; `rollback --force` restores the backups anyway."""
+    th, h = clean_host, clean_host.host
+    replaced = [DFLASH_INFO, "sglang/srt/speculative/spec_info.py"]
+    ps = make_patchset(tmp_path, {PROBE: b"PROBE = 1\n", **{r: upstream_file(r) + b"\n# patched\n" for r in replaced}})
+    inv, env = str(th.inventory), f"SP={h.site_packages} STATE={h.state_dir} UNIT={DDTREE} OTHER={DFLASH}"
+
+    def sh(script: str, *args: str) -> str:
+        return th.ssh(["sh", "-c", f"{env}; {script}", "sh", *args]).stdout
+
+    assert run_cli("deploy", "-i", inv, "-l", th.name, "-p", str(ps), "--yes").code == 0
+    try:
+        before = sh(_UPGRADE + _LOOK, *replaced, PROBE)
+        assert "active\ninactive" in before  # control: the release serves
+
+        r = run_cli("rollback", "-i", inv, "-l", th.name, "--yes", "--json")
+
+        assert r.code == 2, r.stderr
+        row = r.json()["hosts"][0]
+        assert row["outcome"] == "refused" and "nothing was changed" in row["message"], row
+        assert all(f"{rel} (expected " in row["message"] for rel in replaced), row["message"]
+        assert "SGLang 0.5.24 installed" in row["message"] and "installed onto 0.5.23" in row["message"]
+        assert sh(_LOOK, *replaced, PROBE) == before  # not a byte written, no unit touched
+
+        r = run_cli("rollback", "-i", inv, "-l", th.name, "--yes", "--force", "--json")
+
+        assert r.code == 0, r.stderr
+        after = sh(_LOOK, *replaced, PROBE).splitlines()
+        assert after[:3] == [f"{_sha(upstream_file(rel))}  {h.site_packages}/{rel}" for rel in replaced] + [
+            f"- {h.site_packages}/{PROBE}"]
+        assert after[-2:] == ["inactive", "active"]  # DFlash serves again
+    finally:
+        sh(_DOWNGRADE)
+
+
 def test_render_prints_the_unit_and_rejects_bad_values(sandbox):
     r = run_cli("render", "--host", "sbx1", "-i", str(sandbox.inventory_path), "--budget", "64", "--topk-cap", "8")
     assert r.code == 0, r.stderr

@@ -400,9 +400,14 @@ def rollback(
     break_lock: list[str] = BREAK_LOCK_OPT,
     accept_new_host_keys: bool = typer.Option(False, "--accept-new-host-keys"),
     report: Optional[str] = REPORT_OPT,
+    force: bool = typer.Option(False, "--force", help="Restore the backups even where the host changed under the "
+                                                      "release (files rewritten since, another SGLang version): "
+                                                      "without it such a host is refused, exit 2."),
 ):
     """Back to the previous release (or --to RELEASE|original, or what each host ran before --rollout ID), with
-    the same restart and health gate, over the same selection as deploy (multi-node servers as a whole)."""
+    the same restart and health gate, over the same selection as deploy (multi-node servers as a whole). A host
+    whose files or SGLang version changed since the release being undone installed them is refused (exit 2,
+    nothing changed) unless --force."""
     from ..fleet.actions import rolling_rollback
     from ..fleet.notify import rollout_notifier
     from ..fleet.pool_summary import pool_reader
@@ -431,8 +436,8 @@ def rollback(
         policy, bounded = rollout_policy_for(targets, max_unavailable, batch=batch)
         notes = [*notes, *bounded]
         _confirm(yes, f"Roll back {', '.join(t.name for t in targets)} to {target_release}?")
-        opts = DeployOptions(break_tokens=tuple(break_lock), command=" ".join(["ddtree-ops", *sys.argv[1:]])[:500],
-                             rollout_id=new_rollout_id())
+        opts = DeployOptions(force=force, break_tokens=tuple(break_lock),
+                             command=" ".join(["ddtree-ops", *sys.argv[1:]])[:500], rollout_id=new_rollout_id())
         res = rolling_rollback(targets, UndoRollout(rollout) if rollout else to, opts, batch=batch, forks=forks,
                                accept_new_host_keys=accept_new_host_keys,
                                progress=make_progress(pool_reader(targets)), notes=notes, hooks=hooks_of(ctx),

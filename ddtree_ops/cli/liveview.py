@@ -20,7 +20,8 @@ from ..fleet.rollout import Progress
 from ..runbook.events import Event, Failed, PhaseStarted, StepDone
 
 _STYLE = {"deployed": "green", "unchanged": "green", "rolled_back": "yellow", "reverted": "yellow",
-          "running": "cyan", "queued": "dim", "skipped": "dim", "refused": "yellow", "locked": "yellow"}
+          "running": "cyan", "queued": "dim", "skipped": "dim", "refused": "yellow", "locked": "yellow",
+          "revert_refused": "yellow"}
 
 
 class PlainProgress(Progress):

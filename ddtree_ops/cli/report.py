@@ -113,7 +113,7 @@ VERDICT_COLOURS = {"pass": "#1b7a3e", "marginal": "#b26b00", "fail": FAIL_COLOUR
 SOURCE_COLOURS = {"baseline": "#9aa5b1", "canary": "#2f6fb5", "peers": "#8a5cc2"}
 
 _OK_OUTCOMES = {"deploy": {"deployed", "unchanged"}, "rollback": {"rolled_back"}}
-_WARN_OUTCOMES = {"rolled_back", "reverted", "interrupted", "locked", "refused"}
+_WARN_OUTCOMES = {"rolled_back", "reverted", "interrupted", "locked", "refused", "revert_refused"}
 
 
 def step_group(name: str) -> tuple[str, str]:

@@ -127,6 +127,9 @@ def print_gate(host: str, gate: dict[str, Any]) -> None:
         print(clean(f"  {reason}"))
 
 
+_SHOWN_WHOLE = {"refused", "revert_refused"}
+
+
 def print_rollout(res: RolloutResult) -> None:
     """The summary table, the performance gates, then the last log lines of each host that has some."""
     state = f"ABORTED ({res.abort_reason})" if res.aborted else "done"
@@ -139,6 +142,11 @@ def print_rollout(res: RolloutResult) -> None:
                                  f"{row['seconds']:.1f}", row["ssh"], gate_brief(r.perf_gate),
                                  fit(row["message"], 160))))
     console().print(t)
+    for row in summary_rows(res):
+        # A refusal names what to fix (a rollback's restore check: every drifted file and the
+        # versions): whole, where the table's cell had to cut it.
+        if row["outcome"] in _SHOWN_WHOLE and len(row["message"] or "") > 160:
+            print(clean(f"{row['host']}: {row['message']}"))
     for r in res.results:
         if r.perf_gate:
             print_gate(r.host, r.perf_gate)
@@ -192,8 +200,10 @@ def print_status(rows: list[dict[str, Any]]) -> None:
 def drift_cell(row: dict[str, Any]) -> str:
     """Files changed behind the tool's back, then each field that differs from the inventory."""
     files = [d["path"].rsplit("/", 1)[-1] for d in row["drift"]]
+    versions = [f"SGLang {v.get('now') or 'missing'} (release: {v.get('recorded')})"
+                for v in (row.get("version_drift") or [])[:1]]
     fields = [FieldDrift(d["field"], d["inventory"], d["host"]).brief() for d in row.get("config_drift") or []]
-    return "; ".join([*files, *fields]) or "none"
+    return "; ".join([*files, *versions, *fields]) or "none"
 
 
 def print_history(hist: dict[str, Any]) -> None:

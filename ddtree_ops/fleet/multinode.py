@@ -23,7 +23,7 @@ from ..runbook.events import EventSink, Note
 from ..runbook.options import DeployOptions
 from ..runbook.phases import Runbook
 from ..runbook.results import HostResult, Outcome, failed_result, with_tries
-from ..runbook.rollback import UndoRollout, rollback_host
+from ..runbook.rollback import UndoRollout, drift_refusal_of, rollback_host
 from .rollout import Target
 from .routing import Routers, router_for
 
@@ -109,6 +109,12 @@ def rollback_server(server: Target, to: str | UndoRollout | None, opts: DeployOp
             sessions = _open_nodes(stack, server, connect)
         except DdtreeOpsError as e:
             return _everyone_failed(server, e, t0, getattr(e, "host", None))
+        # One node whose files or SGLang changed under the release refuses them all: rolled back
+        # node by node, the others would run another release than it (runbook/restore_check.py).
+        for s in sessions:
+            drifted = drift_refusal_of(s, to, opts)
+            if drifted is not None:
+                return _everyone_failed(server, drifted, t0, s.host.name)
         router = stack.enter_context(routers(sessions[0].host))
 
         def one(i: int) -> HostResult:

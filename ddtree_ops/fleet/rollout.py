@@ -500,7 +500,11 @@ class Rollout:
                             back.update(self._run_batch(pool, updated[i:i + step], self.revert, False))
                         for t in updated:
                             by_target[t.name] = _merge_revert(by_target[t.name], back[t.name])
-                            reverted.append(t.name)
+                            if any(r.outcome == Outcome.REVERT_REFUSED for r in by_target[t.name]):
+                                self.progress.note(f"{t.name}: not rolled back (its rollback refused, nothing "
+                                                   f"changed): it stays on the new release")
+                            else:
+                                reverted.append(t.name)
                 elif aborted and self.keep_updated:
                     self.progress.note("--keep-updated: hosts this run updated stay on the new release")
         finally:
@@ -543,6 +547,17 @@ def _merge_revert(deployed: list[HostResult], back: list[HostResult]) -> list[Ho
             out.append(HostResult(d.host, Outcome.REVERTED, EXIT_ROLLED_BACK, release=d.release,
                                   message=f"deployed {d.release}, then rolled back because the rollout was aborted; "
                                           + (b.message or ""),
+                                  steps=d.steps + b.steps, seconds=d.seconds + b.seconds))
+        elif b.outcome == Outcome.REFUSED:
+            # The rollback refused before it changed anything (exit 2: drift under the release, a
+            # pruned backup): the host is as this run deployed it, healthy at its gate. Not 4,
+            # nothing is broken; not 2 or 3, the deploy did change it: 1, as a rollout stopped
+            # with its done hosts on the new release.
+            out.append(HostResult(d.host, Outcome.REVERT_REFUSED, EXIT_ERROR, release=d.release,
+                                  failed_step="abort rollback",
+                                  message=f"deployed {d.release}; NOT rolled back after the abort, the rollback "
+                                          f"refused and changed nothing: {b.message}. The host stays on "
+                                          f"{d.release}, which passed its health gate",
                                   steps=d.steps + b.steps, seconds=d.seconds + b.seconds))
         else:
             out.append(HostResult(d.host, Outcome.REVERT_FAILED, EXIT_NEEDS_PERSON, release=d.release,

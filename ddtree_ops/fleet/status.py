@@ -2,7 +2,9 @@
 
 Per host: reachable (or why not), current release and its patch set/bundle, budget/topk of the
 active unit's ExecStart, drift (files whose sha256 differs from what the current release
-recorded as installed), configuration drift (the inventory's budget, topk, unit and launch flags,
+recorded as installed, and `version_drift`: the SGLang in the venv is not the version the release
+was installed onto; the restore check of host/agent/restore_check.py, the one `rollback` refuses
+on), configuration drift (the inventory's budget, topk, unit and launch flags,
 and the patch set or bundle when named, against what the host runs: config_drift.py), unit
 states, /health and the average accept length from /server_info,
 and the host's last heal of itself (rolled back on its own when its controller was lost).
@@ -69,7 +71,7 @@ class _NotReached(Exception):
 
 def _read_host(session: HostSession, host: Host, expected: Expected | None) -> dict[str, Any]:
     """What the host runs, read through its agent (the fields of a status row)."""
-    row: dict[str, Any] = {"drift": []}
+    row: dict[str, Any] = {"drift": [], "version_drift": []}
     store = session.store
     facts = store.facts([])
     rel = facts.get("current_release") or {}
@@ -82,14 +84,10 @@ def _read_host(session: HostSession, host: Host, expected: Expected | None) -> d
     row["journal"] = facts.get("journal")
     row["lock"] = facts.get("lock")
     row["host_heal"] = facts.get("host_heal")  # the host's last heal of itself (host/heal_note.py)
-    installed = rel.get("installed") or {}
-    if installed:
-        now = store.facts(sorted(installed))["files"]
-        for path, sha in sorted(installed.items()):
-            f = now.get(path) or {}
-            got = f.get("sha256") if f.get("exists") else None
-            if got != sha:
-                row["drift"].append({"path": path, "recorded": sha, "now": got})
+    if row["release"]:  # the agent's restore check, as status asks it (host/agent/restore_check.py)
+        check = store.installed_drift(row["release"])
+        row["drift"] = [{"path": d.path, "recorded": d.expected_sha256, "now": d.found_sha256} for d in check.files]
+        row["version_drift"] = [{"release": v.release, "recorded": v.recorded, "now": v.found} for v in check.versions]
     row["units"] = {u: st.active for u, st in session.services.states((host.unit, *host.conflicts)).items()}
     row["active_unit"] = next((u for u, s in row["units"].items() if s == "active"), None)
     unit_text = _active_unit_text(store, host, row["active_unit"], facts)
@@ -109,7 +107,7 @@ def host_status(host: Host, *, accept_new_host_keys: bool = False, expected: Exp
         "host": host.name, "address": host.address, "server": host.server,
         "node_rank": host.node_rank if host.server else None,
         "reachable": False, "reason": None, "release": None, "patchset": None, "bundle": None,
-        "release_outcome": None, "budget": None, "topk_cap": None, "algorithm": None, "drift": [],
+        "release_outcome": None, "budget": None, "topk_cap": None, "algorithm": None, "drift": [], "version_drift": [],
         "units": {}, "active_unit": None, "health": None, "avg_accept_length": None, "journal": None, "lock": None,
         "perf_gate": None, "host_heal": None, "rollout": None, "config_drift": [], "connect_tries": 1,
     }
@@ -143,7 +141,8 @@ def host_status(host: Host, *, accept_new_host_keys: bool = False, expected: Exp
     row["connect_tries"] = max(tries[0], 1)
     _http(host, row)
     row["seconds"] = round(time.monotonic() - t0, 2)
-    row["ok"] = bool(row["reachable"] and not row["reason"] and not row["drift"] and not row["config_drift"]
+    row["ok"] = bool(row["reachable"] and not row["reason"] and not row["drift"] and not row["version_drift"]
+                     and not row["config_drift"]
                      and (host.node_rank >= 1 or row["health"] == 200))
     return row
 

@@ -41,5 +41,8 @@ def heal_note(record: dict[str, Any]) -> str:
         if record.get("kind") == "rollback":
             return f"rollback finished by the host at {at}: controller lost at {step} (undoing {rid}); now on {now_on}"
         return f"rolled back by the host at {at}: controller lost at {step} (release {rid}); now on {now_on}"
+    if record.get("refused"):  # the restore check found the host changed under the release
+        return (f"the host did not heal itself at {at} (controller lost at {step}, release {rid}): "
+                f"{record.get('error') or 'the host changed under the release'}")
     return (f"the host tried to heal itself at {at} (controller lost at {step}, release {rid}) and stopped: "
             f"{record.get('error') or 'no reason recorded'}; its journal stays for the next deploy or rollback")

@@ -44,6 +44,8 @@ from .agent.protocol import (
     RemovePartialReply,
     Request,
     Restore,
+    RestoreCheck,
+    RestoreCheckReply,
     RestoreReply,
     SetCurrent,
     Unlock,
@@ -188,7 +190,7 @@ class ReleaseStore:
     def backup(self, rid: str, paths: list[BackupPath]) -> BackupReply:
         """Every path release `rid` will touch, copied into its backup and read back; `changed`
         non-empty: a path differs from what the request expects, nothing was written."""
-        return self._reply(Backup(self.state_dir, rid, list(paths)), BackupReply)
+        return self._reply(Backup(self.state_dir, rid, list(paths), site_packages=self.host.site_packages), BackupReply)
 
     def install(self, files: list[InstallFile], test_pause: dict[str, Any] | None = None) -> None:
         """Each file written atomically; `test_pause` is a test hook's (the agent pauses between files)."""
@@ -202,6 +204,20 @@ class ReleaseStore:
     def verify_backup(self, rid: str) -> list[str]:
         """What is wrong with the backup of `rid` ('original': the pristine one); [] when sound."""
         return self._reply(VerifyBackup(self.state_dir, self.backup_dir(rid)), VerifyBackupReply).problems
+
+    def restore_check(self, releases: list[str], to_original: bool = False) -> RestoreCheckReply:
+        """Read only: what restoring the backups of `releases` (newest first; then original/ with
+        `to_original`) would write over that those releases did not leave there, and whether the
+        SGLang is still the version each was installed onto (agent/restore_check.py)."""
+        return self._reply(RestoreCheck(self.state_dir, list(releases), to_original), RestoreCheckReply)
+
+    def journal_restore_check(self) -> RestoreCheckReply:
+        """The same check for what the host's journal would restore (an interrupted run's repair)."""
+        return self._reply(RestoreCheck(self.state_dir, journal=True), RestoreCheckReply)
+
+    def installed_drift(self, rid: str) -> RestoreCheckReply:
+        """`status`'s check: each file exactly as release `rid` installed it, and its SGLang version."""
+        return self._reply(RestoreCheck(self.state_dir, [rid], as_installed=True), RestoreCheckReply)
 
     def restore(self, rid: str) -> RestoreReply:
         """The files as release `rid` found them, byte for byte; `refused` when the backup is corrupted."""

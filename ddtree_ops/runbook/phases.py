@@ -36,6 +36,7 @@ from .launch_check import identity_problems, launch_line, launch_request, parse_
 from .options import DeployOptions
 from .plan import HostPlan, compute_plan, read_host
 from .preflight import compile_problems, gpu_problems, unit_problems
+from .restore_check import check_before_restore
 from .serving import JOURNAL_KEY, UNIT_DIR, ServingAt, before_deploy, from_record, server_at
 from .steps import StepFailed, StepLog
 from .traffic import Traffic
@@ -155,14 +156,20 @@ class Runbook:
         except (RemoteCommandError, UnreachableError) as e:
             self.warnings.append(f"the host's heal could not be marked as reported: {e}")
 
-    def repair_interrupted(self, window_s: float = 0.0) -> str | None:
+    def repair_interrupted(self, window_s: float = 0.0, *, force: bool = False) -> str | None:
         """A journal means a deploy or a rollback was interrupted: roll that deploy back, or finish
         that rollback, before anything else (reconnecting for up to `window_s` seconds when the
-        connection is lost: both can be done again). Returns the release it was about."""
+        connection is lost: both can be done again). Returns the release it was about. First the
+        restore check (restore_check.py): a host changed under the release is refused, exit 2,
+        unless `force` or the interrupted rollback was forced."""
         journal = self.reconnecting(window_s, self.read_journal, "read the journal")
         if not journal:
             return None
         rid = journal["release"]
+        what = f"repair the interrupted {journal.get('kind', 'deploy')} of {rid}"
+        self.reconnecting(window_s, lambda: check_before_restore(
+            self.host, self.step, self.store.journal_restore_check, force=force or bool(journal.get("force")),
+            what=what, quiet_when_clean=True), "check before restoring")
         try:
             if journal.get("kind") == "rollback":
                 self.step("repair", f"found an interrupted rollback of {', '.join(journal['undo'])} (step "

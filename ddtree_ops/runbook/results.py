@@ -43,6 +43,9 @@ class Outcome(str, enum.Enum):
     HOST_KEY_REFUSED = "host_key_refused"
     ROLLBACK_FAILED = "rollback_failed"  # a person must look
     REVERT_FAILED = "revert_failed"  # a person must look
+    # Deployed; the abort's rollback refused before changing anything (the host changed under the
+    # release: runbook/restore_check.py): left on the new release, which passed its health gate.
+    REVERT_REFUSED = "revert_refused"
     FAILED = "failed"  # anything else (a bug is a row too)
     SKIPPED = "skipped"  # not started: the rollout was aborted before its batch
 

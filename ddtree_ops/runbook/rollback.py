@@ -2,9 +2,11 @@
 back to the previous release, a named one, or the original files.
 
 `releases_to_undo` decides from the host's history (pure); `ROLLBACK`, the phases run by the
-engine's executor, verifies every backup it will need before touching anything, restores them
-newest first, and brings the services back as they were before the oldest undone release, through
-the same health gate as a deploy.
+engine's executor, verifies every backup it will need before touching anything, checks that the
+host is still as the undone releases left it (restore_check.py: no file changed under them, the
+same SGLang version; otherwise exit 2, nothing changed, unless --force), restores them newest
+first, and brings the services back as they were before the oldest undone release, through the
+same health gate as a deploy.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from .engine import Nodes, Phase, run_phases
 from .events import EventSink, quiet
 from .options import DeployOptions
 from .phases import Runbook
+from .restore_check import check_before_restore, drift_refusal
 from .results import HostResult, Outcome
 from .steps import StepFailed
 
@@ -121,12 +124,19 @@ def _choose(r: RollbackRun, i: int) -> None:
         if problems:
             raise RollbackFailed(f"{rb.host.name}: backup of release {rid} is corrupted, refusing to restore it: "
                                  + "; ".join(problems))
+    # Every file the restore would write over as the undone releases left it, and the SGLang the
+    # one they were installed onto: a venv upgraded under them is not given their backups.
+    check_before_restore(rb.host, rb.step, lambda: rb.store.restore_check(r.undo, r.to == ORIGINAL),
+                         force=r.opts.force, what="roll back")
     r.oldest = next(rel for rel in history["releases"] if rel["id"] == r.undo[-1])
 
 
 def _journal(r: RollbackRun, i: int) -> None:
-    r.journal = r.nodes[i].begin_rollback(r.undo, r.now_on, r.to == ORIGINAL, r.oldest, r.lock,
-                                          rollout=r.opts.rollout_id)
+    rb = r.nodes[i]
+    r.journal = rb.begin_rollback(r.undo, r.now_on, r.to == ORIGINAL, r.oldest, r.lock, rollout=r.opts.rollout_id)
+    if r.opts.force:  # the host's heal and the next run's repair finish it without the restore check
+        r.journal["force"] = True
+        rb.store.journal(**r.journal)
 
 
 def _restore(r: RollbackRun, i: int) -> None:
@@ -158,6 +168,31 @@ ROLLBACK: tuple[Phase, ...] = (
 )
 
 
+def drift_refusal_of(session: HostSession, to: str | UndoRollout | None, opts: DeployOptions) -> DdtreeOpsError | None:
+    """Before any node of a multi-node server is rolled back: the restore check this node's own
+    rollback would make (read only, the lock not taken), so that one drifted node refuses the
+    whole server instead of leaving its other nodes on another release. None: go ahead (each
+    node's rollback checks again under its lock, and decides whatever else may be wrong)."""
+    if opts.force:
+        return None
+    store, name = session.store, session.host.name
+    try:
+        journal = store.facts([]).get("journal")
+        if isinstance(journal, dict):
+            if journal.get("force"):
+                return None
+            reply = store.journal_restore_check()
+            what = f"repair the interrupted {journal.get('kind', 'deploy')} of {journal.get('release')}"
+        else:
+            history = store.history()
+            undo = (releases_of_rollout(history, to.rollout, name) if isinstance(to, UndoRollout)
+                    else releases_to_undo(history, to, name))
+            reply, what = store.restore_check(undo, to == ORIGINAL), "roll back"
+    except DdtreeOpsError:
+        return None  # nothing to roll back, a lost connection...: the node's own rollback deals with it
+    return drift_refusal(session.host, reply, what) if reply.drifted else None
+
+
 def rollback_host(session: HostSession, to: str | UndoRollout | None, opts: DeployOptions, report: EventSink = quiet, *,
                   health_checked: bool = True, router: SmgRouter | None = None) -> HostResult:
     t0 = time.monotonic()
@@ -165,7 +200,7 @@ def rollback_host(session: HostSession, to: str | UndoRollout | None, opts: Depl
     h = rb.host
     lock = rb.lock(opts)
     try:
-        repaired = rb.repair_interrupted(rb.window(opts))
+        repaired = rb.repair_interrupted(rb.window(opts), force=opts.force)
         if repaired:  # the host is back on what was current before that deploy; stop there
             return HostResult(h.name, Outcome.ROLLED_BACK, 0, release=repaired, steps=rb.steps,
                               seconds=time.monotonic() - t0, repaired=repaired,

@@ -217,6 +217,8 @@ class FakeHost:
             res = answer["result"]
             res["files"] = {self._out(p): dict(f, path=self._out(f["path"])) for p, f in res["files"].items()}
             res["unit"] = dict(res["unit"], path=self._out(res["unit"]["path"]))
+        if answer.get("ok"):
+            _map_records(op, answer["result"], self._out)
         return answer_result(self.host.name, op, answer)
 
     def _in(self, host_path: str) -> str:
@@ -315,7 +317,33 @@ def _map_paths(req: dict[str, Any], f: Callable[[str], str]) -> dict[str, Any]:
             out[key] = [f(p) for p in out[key]]
     if out.get("op") == "install":
         out["files"] = [dict(x, path=f(x["path"])) for x in out["files"]]
+    if out.get("op") == "release_write" and isinstance(out["fields"].get("installed"), dict):
+        out["fields"] = dict(out["fields"], installed={f(p): sha for p, sha in out["fields"]["installed"].items()})
     return out
+
+
+def _map_record(rec: Any, f: Callable[[str], str]) -> None:
+    """A release record as the host keeps it (its `installed` paths and `site_packages` are host
+    paths: the fake host's, inside its root) → as the controller reads it, and the other way."""
+    if not isinstance(rec, dict):
+        return
+    if isinstance(rec.get("installed"), dict):
+        rec["installed"] = {f(p): sha for p, sha in rec["installed"].items()}
+    if isinstance(rec.get("site_packages"), str):
+        rec["site_packages"] = f(rec["site_packages"])
+
+
+def _map_records(op: str, res: Any, f: Callable[[str], str]) -> None:
+    """The host paths in an answer that reads release records or names files, mapped back."""
+    if op == "history":
+        for rec in res.get("releases") or []:
+            _map_record(rec, f)
+    elif op == "facts":
+        _map_record(res.get("current_release"), f)
+    elif op == "release_write":
+        _map_record(res.get("release"), f)
+    elif op == "restore_check":
+        res["files"] = [dict(d, path=f(d["path"])) for d in res.get("files") or []]
 
 
 class FakeLink:

@@ -25,8 +25,19 @@ from .files import (
     read_json,
     sha256_file,
 )
-from .protocol import Backup, BackupChange, BackupReply, Restore, RestoreReply, VerifyBackup, VerifyBackupReply
+from .protocol import (
+    Backup,
+    BackupChange,
+    BackupReply,
+    ReleaseWrite,
+    Restore,
+    RestoreReply,
+    VerifyBackup,
+    VerifyBackupReply,
+)
 from .statedir import require_state_dir
+from .store import op_release_write
+from .venv_version import sglang_version_in
 
 
 def op_backup(req: Backup):
@@ -72,6 +83,11 @@ def op_backup(req: Backup):
     os.rename(partial, final)
     fsync_dir(rdir)
     _record_original(state, entries, final)
+    if req.site_packages:
+        # The SGLang these files belong to: a restore of this backup into another one is refused
+        # (restore_check.py). Read here, under the lock, just before the release installs.
+        op_release_write(ReleaseWrite(state, rid, {"sglang_version": sglang_version_in(req.site_packages),
+                                                   "site_packages": req.site_packages}))
     return BackupReply(manifest, [])
 
 

@@ -15,24 +15,14 @@ from .lock import lock_facts
 from .protocol import Facts
 from .statedir import read_current
 from .unit_identity import UnitRefusal, resolve_identity
-from .venv_version import venv_python_version
+from .venv_version import sglang_dist_versions, venv_python_version
 
 
 def op_facts(req: Facts):
     sp = req.site_packages
     state = req.state_dir
-    version = None
-    if os.path.isdir(sp):
-        for entry in sorted(os.listdir(sp)):
-            if entry.startswith("sglang-") and entry.endswith(".dist-info"):
-                try:
-                    with open(os.path.join(sp, entry, "METADATA"), encoding="utf-8") as fh:
-                        for line in fh:
-                            if line.startswith("Version:"):
-                                version = line.split(":", 1)[1].strip()
-                                break
-                except OSError:
-                    pass
+    versions = sglang_dist_versions(sp) if os.path.isdir(sp) else []
+    version = versions[-1] if versions else None  # the last in folder order, as ever
     files = {p: file_facts(p) for p in req.paths}
     files.update({p: file_facts(p, content=False) for p in req.secret_paths})
     unit_path = req.unit_path

@@ -10,6 +10,12 @@ with `systemctl is-active`, and the next status/deploy/rollback gates it and rep
 A journal this tool did not write is never acted on, and one left on purpose (--no-rollback) is
 left as it is. A heal that fails at a step keeps the journal, so the next run repairs from it as
 it would have without the heal; the failure is recorded, never raised.
+
+Before restoring anything the heal makes the controller's restore check (restore_check.py): a file
+it would write over that is not as the undone release left it, or an SGLang version other than
+the one the release was installed onto (a venv upgraded meanwhile), and it restores nothing: the
+host is left as it is, the journal stays, and the record says why (`refused`, `restore_check`).
+A rollback run with --force wrote `force` into its journal: its heal restores regardless.
 """
 
 import os
@@ -19,6 +25,7 @@ import time
 from .backup import op_restore
 from .files import atomic_json, read_json
 from .protocol import Journal, ReleaseWrite, RemovePartial, Restore, SetCurrent
+from .restore_check import journal_restore_check, restore_drift_summary
 from .store import op_journal, op_release_write, op_remove_partial, op_set_current
 from .systemd import run_program
 
@@ -248,6 +255,25 @@ def _heal_rollback(run, at):
     return j.get("to")
 
 
+def _heal_refused(run, record):
+    """The restore check (restore_check.py) before the heal restores anything: True, with the
+    record saying why, when the host changed under the release since (nothing is touched)."""
+    check = journal_restore_check(run.state, run.journal)
+    if check.forced:
+        run.note("checked before restoring: skipped, the rollback was run with --force")
+        return False
+    if not check.drifted:
+        run.note("checked before restoring: nothing changed under the release" + (
+            " (%s)" % "; ".join(check.unchecked) if check.unchecked else ""))
+        return False
+    record.update(refused=True, restore_check=check.to_wire(), error=(
+        "restored nothing: %s. Restoring the backups over them could mix two SGLang releases, so the host "
+        "is left as it is and the journal stays; `ddtree-ops rollback --force` restores them anyway"
+        % restore_drift_summary(check)))
+    run.note("checked before restoring: the host changed under the release; nothing restored, the journal stays")
+    return True
+
+
 def heal(state_dir, why, gpu_wait_s=HEAL_GPU_WAIT_S):
     """Finish what the journal says a lost controller left half done; the record of it, or None
     when there is no journal. Never raises: a failure is in the record (`ok` false, `error`)."""
@@ -275,10 +301,11 @@ def _heal_journal(state, journal, why, gpu_wait_s):
               "previous": journal.get("to") if kind == "rollback" else journal.get("previous"),
               "actions": run.actions, "ok": False, "error": None, "healed": False}
     try:
-        record["previous"] = (_heal_rollback if kind == "rollback" else _heal_deploy)(run, at)
-        op_journal(Journal(state, clear=True))
-        run.note("journal cleared")
-        record.update(ok=True, healed=True)
+        if not _heal_refused(run, record):
+            record["previous"] = (_heal_rollback if kind == "rollback" else _heal_deploy)(run, at)
+            op_journal(Journal(state, clear=True))
+            run.note("journal cleared")
+            record.update(ok=True, healed=True)
     except Exception as e:  # recorded for the next run, which repairs from the journal left in place
         record["error"] = "%s: %s" % (type(e).__name__, e) if not isinstance(e, HealFailed) else str(e)
         run.note("stopped: %s; the journal stays for the next run" % record["error"])

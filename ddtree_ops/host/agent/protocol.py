@@ -187,10 +187,14 @@ class BackupPath(Message):
 
 @dataclass
 class Backup(Request):
+    """`site_packages`: the venv the release installs into; the SGLang version found there is
+    recorded with the release (`sglang_version`), for the restore check (restore_check.py)."""
+
     OP = "backup"
     state_dir: str
     release_id: str
     paths: List[BackupPath] = message_list(BackupPath)
+    site_packages: Optional[str] = opt()
 
 
 @dataclass
@@ -333,10 +337,26 @@ class ReleaseContent(Request):
     max_bytes: int = 262144
 
 
+@dataclass
+class RestoreCheck(Request):
+    """Read only: would restoring the backups of `releases` (newest first; then original/ with
+    `to_original`) write over anything those releases did not leave there, or into an SGLang
+    other than the one each was installed onto (restore_check.py)? `journal`: the releases the
+    host's journal would restore (an interrupted deploy or rollback) instead. `as_installed`:
+    `status`'s question: is each file exactly as the first of `releases` installed it."""
+
+    OP = "restore_check"
+    state_dir: str
+    releases: List[str] = opt(factory=list)
+    to_original: bool = opt(False)
+    journal: bool = opt(False)
+    as_installed: bool = opt(False)
+
+
 REQUESTS = {cls.OP: cls for cls in (
     Hello, Renew, Facts, Lock, Unlock, Journal, Compile, VerifyUnit, Backup, Install, Restore, VerifyBackup,
     RemovePartial, ReleaseWrite, SetCurrent, History, Prune, Run, LaunchCheck, PathAccess, ProcInfo,
-    ReleaseContent)}
+    ReleaseContent, RestoreCheck)}
 
 
 def decode_request(doc: Any) -> Request:
@@ -462,3 +482,41 @@ class ContentItem(Message):
 @dataclass
 class ReleaseContentReply(Message):
     items: List[ContentItem] = message_list(ContentItem)
+
+
+@dataclass
+class FileDrift(Message):
+    """A file not as the release that should own it left it: a restore would write over it."""
+
+    path: str
+    release: str  # whose install it should be ("original": as it was before any release)
+    expected_sha256: Optional[str]  # None: absent
+    found_sha256: Optional[str]  # None: absent, or not a regular file
+
+
+@dataclass
+class VersionDrift(Message):
+    """The SGLang in a release's site-packages is not the version the release was installed onto."""
+
+    release: str
+    recorded: str
+    found: Optional[str]  # None: no sglang dist-info there; "A, B": two of them
+
+
+@dataclass
+class RestoreCheckReply(Message):
+    """`files` and `versions` empty: nothing drifted (of what could be checked; `unchecked` says
+    what could not, and why)."""
+
+    releases: List[str]  # what was checked, newest first
+    files: List[FileDrift] = message_list(FileDrift)
+    versions: List[VersionDrift] = message_list(VersionDrift)
+    unchecked: List[str] = opt(factory=list)
+    sglang_version: Optional[str] = opt()  # what the releases' site-packages holds now
+    to_original: bool = opt(False)
+    forced: bool = opt(False)  # `journal`: the run that wrote it was given --force
+    journal_kind: Optional[str] = opt()  # `journal`: "deploy" or "rollback" (None: no journal)
+
+    @property
+    def drifted(self) -> bool:
+        return bool(self.files or self.versions)

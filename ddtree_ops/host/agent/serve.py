@@ -50,6 +50,7 @@ from .protocol import (
     RemovePartial,
     Renew,
     Restore,
+    RestoreCheck,
     Run,
     SetCurrent,
     Unlock,
@@ -57,6 +58,7 @@ from .protocol import (
     VerifyUnit,
     decode_request,
 )
+from .restore_check import op_restore_check
 from .store import op_history, op_journal, op_prune, op_release_write, op_remove_partial, op_set_current
 from .systemd import op_run, op_verify_unit
 from .venv_compile import op_compile
@@ -106,7 +108,7 @@ OPS = {
     Restore: op_restore, ReleaseWrite: op_release_write, SetCurrent: op_set_current, History: op_history,
     Prune: op_prune, VerifyBackup: op_verify_backup, RemovePartial: op_remove_partial,
     VerifyUnit: op_verify_unit, Run: op_run, LaunchCheck: op_launch_check, ProcInfo: op_proc_info,
-    PathAccess: op_path_access, ReleaseContent: op_release_content,
+    PathAccess: op_path_access, ReleaseContent: op_release_content, RestoreCheck: op_restore_check,
 }
 
 

@@ -1,4 +1,5 @@
-"""The venv's Python version, read from its files, never by running it (the agent is root).
+"""The venv's Python version, read from its files, never by running it (the agent is root); and
+the SGLang version its site-packages holds (the `Version:` of each `sglang-*.dist-info/METADATA`).
 
 `pyvenv.cfg` (beside the interpreter's folder, as Python finds it) says `version = 3.11.7` (venv,
 virtualenv) or `version_info = 3.12.1` (uv); failing that, the `lib/pythonX.Y` folder of
@@ -32,3 +33,31 @@ def venv_python_version(python, site_packages):
         return found
     m = _LIB_VERSION.search(site_packages or "")
     return m.group(1) if m else None
+
+
+def sglang_dist_versions(site_packages):
+    """The `Version:` of every sglang-*.dist-info in `site_packages`, in folder order ([]: none,
+    or no such folder). More than one is a venv an upgrade left half done."""
+    found = []
+    try:
+        entries = sorted(os.listdir(site_packages)) if site_packages else []
+    except OSError:
+        return found
+    for entry in entries:
+        if not (entry.startswith("sglang-") and entry.endswith(".dist-info")):
+            continue
+        try:
+            with open(os.path.join(site_packages, entry, "METADATA"), encoding="utf-8") as fh:
+                for line in fh:
+                    if line.startswith("Version:"):
+                        found.append(line.split(":", 1)[1].strip())
+                        break
+        except OSError:
+            pass
+    return found
+
+
+def sglang_version_in(site_packages):
+    """What the restore check compares: the one version, "A, B" for several, None for none."""
+    found = sglang_dist_versions(site_packages)
+    return ", ".join(found) if found else None

@@ -31,6 +31,27 @@ BASE_VARS = ("python: /opt/v/bin/python\n    site_packages: /opt/v/lib/site-pack
              "    model_path: /m\n    draft_model_path: /d\n")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def ansible_patches_undone():
+    """Importing ansible-core (ansible_limit, in this process) replaces three functions for the
+    whole process: `sys.intern`, `socket.getaddrinfo` and `dataclasses._is_type` (its
+    module_utils/_internal/_patches). They are put back when this file is done, as the rest of
+    an xdist worker's files expect the builtins: with ansible's `sys.intern` left in place, the
+    first meta-device operation of a later file (tests/payload/test_tree_step_cpu.py) imports
+    torch._dynamo, whose polyfill of `sys.intern` raises TypeError on a non-builtin, and the
+    tensor comparison running it turns that TypeError into "'<=' not supported between
+    instances of 'Tensor' and 'int'" (about 3 full runs in 10: those where xdist gave one worker
+    this file, then that one, with no torch._dynamo import in between)."""
+    import dataclasses
+    import socket
+
+    saved = [(sys, "intern", sys.intern), (socket, "getaddrinfo", socket.getaddrinfo),
+             (dataclasses, "_is_type", dataclasses._is_type)]
+    yield
+    for module, name, original in saved:
+        setattr(module, name, original)
+
+
 @pytest.fixture(scope="module")
 def ansible_env(tmp_path_factory):
     """Ansible confined to a scratch home, reading no ansible.cfg from the machine or the checkout."""

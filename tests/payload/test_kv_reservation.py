@@ -509,7 +509,7 @@ def _load_ddtree_kv():
 def runs(tmp_path_factory, sglang_overlay):  # noqa: F811
     code = (f"BLOCK = {BLOCK}\nCONTEXT_LEN = {CONTEXT_LEN}\n"
             f"DDTREE_CASES = {DDTREE_CASES!r}\n" + HARNESS)
-    out = run_sglang(code, tmp_path_factory.mktemp("kv-reservation"), sglang_overlay)
+    out = run_sglang(code, tmp_path_factory.mktemp("kv-reservation"), sglang_overlay, triton_interpret=True)
     print(f"kv reservation harness: {out['seconds']} s")
     return out
 

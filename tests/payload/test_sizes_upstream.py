@@ -205,7 +205,7 @@ def both(tmp_path_factory, sglang_overlay):  # noqa: F811
     def one(name):
         overlay, cases = jobs[name]
         code = f"FAKE_POOL_ROWS = {FAKE_POOL_ROWS}\nCASES = {cases!r}\n" + SIZES
-        return run_sglang(code, tmp_path_factory.mktemp(f"sizes-{name}"), overlay)
+        return run_sglang(code, tmp_path_factory.mktemp(f"sizes-{name}"), overlay, triton_interpret=True)
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {name: pool.submit(one, name) for name in jobs}

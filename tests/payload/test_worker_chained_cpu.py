@@ -337,7 +337,7 @@ OUT["seconds"] = round(time.time() - T0, 1)
 def chains(tmp_path_factory, sglang_overlay):  # noqa: F811
     code = (f"HERE = {str(HERE)!r}\nCASE = {CASE!r}\nPREFIXES = {PREFIXES!r}\nSTEPS = {STEPS}\n"
             + HARNESS)
-    out = run_sglang(code, tmp_path_factory.mktemp("chained"), sglang_overlay, timeout=300)
+    out = run_sglang(code, tmp_path_factory.mktemp("chained"), sglang_overlay, timeout=300, triton_interpret=True)
     print(f"chained harness: {out['seconds']} s")
     return out
 

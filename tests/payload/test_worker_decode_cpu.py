@@ -67,7 +67,7 @@ def _run(tmp_path, overlay, case: dict, *, no_kv_move: bool = False) -> dict:
     import worker_fakes  # first: sets TRITON_INTERPRET / SGLANG_NATIVE_MOVE_KV_CACHE
     OUT.update(worker_fakes.run_case(model=MODEL, no_kv_move={no_kv_move!r}, **{case!r}))
     """
-    return run_sglang(code, tmp_path, overlay, timeout=300)
+    return run_sglang(code, tmp_path, overlay, timeout=300, triton_interpret=True)
 
 
 # -- checks (each raises AssertionError) ----------------------------------------

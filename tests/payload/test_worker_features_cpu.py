@@ -88,7 +88,7 @@ def runs(tmp_path_factory, sglang_overlay):
     OUT["grammar"] = wf.run_case(model=MODEL, budget=8, cap=3, block=5, prefixes=[7, 11],
                                  ranks=[[0, 0, 0, 0], [1, 0]], host_mirror=True, grammar_probe=True)
     """
-    return run_sglang(code, tmp_path_factory.mktemp("features"), sglang_overlay, timeout=600)
+    return run_sglang(code, tmp_path_factory.mktemp("features"), sglang_overlay, timeout=600, triton_interpret=True)
 
 
 # -- expectations ---------------------------------------------------------------

@@ -92,7 +92,7 @@ OUT["seconds"] = round(time.time() - T0, 1)
 def runs(tmp_path_factory, sglang_overlay):  # noqa: F811
     code = (f"HERE = {str(HERE)!r}\nCASE = {CASE!r}\nPREFIXES = {PREFIXES!r}\nMAX_NEW = {MAX_NEW!r}\n"
             f"STEPS = {STEPS}\nRUNS = {RUNS!r}\n" + HARNESS)
-    out = run_sglang(code, tmp_path_factory.mktemp("overlap"), sglang_overlay, timeout=300)
+    out = run_sglang(code, tmp_path_factory.mktemp("overlap"), sglang_overlay, timeout=300, triton_interpret=True)
     print(f"overlap harness: {out['seconds']} s")
     return out
 

@@ -121,7 +121,7 @@ def runs(tmp_path_factory, sglang_overlay):
     OUT["reused_coin"] = step(9, {_batch(64)!r}, mutation="reused_coin")
     OUT["coin_tree"] = step(10, {_batch(N_PER_STEP)!r}, mutation="coin_tree")
     """
-    return run_sglang(code, tmp_path_factory.mktemp("sampled"), sglang_overlay, timeout=600)
+    return run_sglang(code, tmp_path_factory.mktemp("sampled"), sglang_overlay, timeout=600, triton_interpret=True)
 
 
 # -- the independent expectation (float64, pure Python) --------------------------

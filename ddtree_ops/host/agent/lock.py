@@ -21,9 +21,20 @@ LOCK_FILE = "deploy.lock"
 
 
 def _read_holder(fd):
+    """The holder's record: the file's first line (write_holder), read until two reads agree.
+
+    The holder rewrites the record in place while other agents read it (a reader cannot take the
+    flock: that is what it is asking about), so one read may overlap a write; a second equal read
+    cannot have, short of two copies torn at the same byte."""
     try:
         data = os.pread(fd, 1 << 16, 0)
-        doc = json.loads(data.decode()) if data.strip() else {}
+        for _ in range(50):
+            again = os.pread(fd, 1 << 16, 0)
+            if again == data:
+                break
+            data = again
+        line = data.split(b"\n", 1)[0]
+        doc = json.loads(line.decode()) if line.strip() else {}
         return doc if isinstance(doc, dict) else {}
     except (OSError, ValueError):
         return {}
@@ -79,10 +90,31 @@ class LockState:
 
 
 def write_holder(fd, holder):
+    """The holder's record as one line, replaced in place (the flock is on this file, so no
+    rename): written over the old one, then cut to its length, with SIGTERM held off between the
+    two (the agent is one thread: its handler runs once the mask is back). Another agent reads this
+    file while it is written (op_lock, when its flock fails): it finds the old record or the new
+    one as the first line (_read_holder), never an empty file and never half of each. Truncated
+    first, as it was, a reconnect's re-take that read the file between the two calls (or sent the
+    SIGTERM that ended the writer there: a holder marking itself orphaned as the reconnect arrives)
+    found no holder, so not its own lock, and was refused."""
     data = (json.dumps(holder, sort_keys=True) + "\n").encode()
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, data, 0)
+    mask = _block_sigterm()
+    try:
+        os.pwrite(fd, data, 0)
+        os.ftruncate(fd, len(data))
+    finally:
+        if mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     os.fsync(fd)
+
+
+def _block_sigterm():
+    """SIGTERM held off; the signal mask before (None where this Python cannot)."""
+    try:
+        return signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
+    except (AttributeError, OSError, ValueError):
+        return None
 
 
 def op_lock(req: Lock, lock):

@@ -210,9 +210,9 @@ def _answer_requests(agent, fd_in, fd_out):
             try:
                 chunk = os.read(fd_in, 1 << 20)
             except OSError:  # ECONNRESET and the like: the connection is gone all the same
-                return Expiry.GONE
+                chunk = b""
             if not chunk:
-                return Expiry.GONE
+                return _how_it_went(agent.lease)
             buf += chunk
             continue
         line, buf = buf[:nl], buf[nl + 1:]
@@ -230,3 +230,18 @@ def _answer_requests(agent, fd_in, fd_out):
                 data = data[os.write(fd_out, data):]
         except OSError:
             return Expiry.GONE
+
+
+def _how_it_went(lease):
+    """The connection closed (EOF or a reset): how the controller went, read on the lease's clock.
+
+    Within the lease it hung up (Expiry.GONE: the rest of the lease is waited out for a reconnect).
+    Past it, its silence had expired the lease already (Expiry.IDLE: no request came for the whole
+    lease), whatever closed the connection since. A controller that stays connected and silent
+    hangs up by itself once its own view of the lease runs out (channel.py: the heartbeat closes
+    the channel on LeaseLost), and that view starts after this agent's renewal: on the same clock,
+    that hang-up always comes after the expiry. Told apart by which event this process saw first,
+    the reason depended on a race: woken late (a loaded machine), select() found the EOF already
+    there and a silent controller read as one that hung up (a fresh-clone CI failure of
+    tests/test_lease_agent.py::test_idle_past_the_lease_the_agent_heals_once_...)."""
+    return Expiry.IDLE if lease.left() <= 0 else Expiry.GONE

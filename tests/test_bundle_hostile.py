@@ -86,6 +86,9 @@ def write_inventory(tmp_path: Path, port: int, **host_vars) -> Path:
     kh = tmp_path / "known_hosts"
     kh.write_text("")
     host_vars.setdefault("connect_timeout", 2)
+    # A closed port here is the control "this run got as far as connecting", not a blip: no
+    # reconnect window (first_contact.py would retry the refused connect for 60 s).
+    host_vars.setdefault("reconnect_window_s", 0)
     doc = fake_inventory(1, ssh_port=port, known_hosts=str(kh), **host_vars)
     inv = tmp_path / "inventory.yaml"
     inv.write_text(yaml.safe_dump(doc))

@@ -361,21 +361,47 @@ def test_a_unit_name_that_is_not_one_never_reaches_systemctl(host, systemctl):
     assert heal(host.state, WHY)["ok"]
 
 
-def test_gpu_memory_of_the_stopped_server_is_waited_for_within_a_bound(host, systemctl):
+class SleepClock:
+    """The heal module's `time` with a clock that moves only when the heal sleeps (as the fake
+    host's link does): a wait's bound is read on it, whatever this machine's load."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
+def test_gpu_memory_of_the_stopped_server_is_waited_for_within_a_bound(host, systemctl, monkeypatch):
+    """On the heal's clock (on this machine's, the first nvidia-smi under load could take longer
+    than the bound, and the wait end after one look)."""
     host.deploy("r1", b"R1 = 1\n", upto="wait for weights")
     systemctl.update(gpu_apps=[{"pid": 2000, "used_mib": 70000}])
+    clock = SleepClock()
+    monkeypatch.setattr("ddtree_ops.host.agent.heal.time", clock)
     t0 = time.monotonic()
     record = heal(host.state, WHY, gpu_wait_s=0.3)
-    assert 0.3 <= time.monotonic() - t0 < 30 and record["ok"]
-    assert any(a.startswith("GPU memory still held after") for a in record["actions"])
+    assert time.monotonic() - t0 < 30 and record["ok"]
+    assert 0.3 <= clock.now < 30  # it waited out the bound, and no longer
+    assert any(a.startswith("GPU memory still held after 0.3 s") for a in record["actions"]), record["actions"]
     assert sum(c[0] == "nvidia-smi" for c in systemctl.calls()) >= 2
 
 
-def test_free_gpus_are_not_waited_for(host, systemctl):
-    """Control for the test above."""
+def test_free_gpus_are_not_waited_for(host, systemctl, monkeypatch):
+    """Control for the test above, on the same clock (on this machine's, one nvidia-smi of a
+    loaded machine could take a second)."""
     host.deploy("r1", b"R1 = 1\n", upto="wait for weights")
+    clock = SleepClock()
+    monkeypatch.setattr("ddtree_ops.host.agent.heal.time", clock)
     record = heal(host.state, WHY, gpu_wait_s=30)
-    assert record["ok"] and any(a.startswith("gpus free after 0.") for a in record["actions"])
+    assert record["ok"] and any(a.startswith("gpus free after 0.0 s") for a in record["actions"]), record["actions"]
+    assert clock.now == 0.0 and sum(c[0] == "nvidia-smi" for c in systemctl.calls()) == 1
 
 
 # -- the journal's rules, and the record in facts ---------------------------------------------------

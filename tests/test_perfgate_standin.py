@@ -1,6 +1,8 @@
 """The performance gate against stand-in servers on 127.0.0.1 with both cores held by busy loops
-(fast tier): the stand-in paces by a clock and the release's accept length, measured once at start-up
-from the real DDTree payload, so the verdict is the release's, not the machine's, round after round.
+(sandbox tier: stand-in server processes, and ten seconds of both cores busy, a load test of
+whatever a quick loop ran beside it): the stand-in paces by a clock and the release's accept length,
+measured once at start-up from the real DDTree payload, so the verdict is the release's, not the
+machine's, round after round.
 
 Three releases run side by side: a DFlash baseline (accept length 1), the DDTree patch set's payload
 at budget 16 / top-k cap 4 (faster by its accept length: passes), and a DDTree release slowed with
@@ -31,6 +33,8 @@ from ddtree_ops.config.workload_settings import Workload
 from ddtree_ops.gates.perfgate import Verdict, compare, format_rows
 from ddtree_ops.gates.workload import Measurement, measure
 from kit import busy_loops
+
+pytestmark = pytest.mark.sandbox
 
 REPO = Path(__file__).resolve().parents[1]
 PAYLOAD = REPO / "patches" / "ddtree-temp" / "files" / "sglang" / "srt" / "speculative" / "ddtree_utils.py"

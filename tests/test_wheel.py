@@ -2,7 +2,8 @@
 works outside the checkout and gives the same bytes as the checkout; an editable install
 (`pip install -e .`, what scripts/setup does) reads the checkout's templates/ and patches/.
 
-How, offline and in about 15 s:
+Sandbox tier (with the rig's tests, not in the quick loop): real pip, builds and fresh venvs,
+about 8 CPU-s. How, offline and in about 15 s:
 
 * The packaging inputs (pyproject.toml, setup.py, MANIFEST.in, README.md, ddtree_ops/,
   templates/, patches/; no bytecode) are copied to a temp folder, so no build writes build/ or
@@ -41,6 +42,8 @@ from pathlib import Path
 import pytest
 
 from kit import REPO
+
+pytestmark = pytest.mark.sandbox
 
 SOURCES = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "ddtree_ops", "templates", "patches")
 _BYTECODE = shutil.ignore_patterns("__pycache__", "*.pyc", "*.pyo")

@@ -7,6 +7,8 @@
   in-process instead of over SSH, with every host path mapped into a private folder standing for
   the host's root. Backups, atomic installs, restores, the lock and the journal therefore behave
   exactly as on a host; only `verify_unit`, `proc_info` and `launch_check` are answered here.
+  Two ops run elsewhere, as themselves: `path_access` (it forks) in a small agent process of this
+  machine (_ForkingOps), and `compile` once per distinct request in a process (_compile_verdict).
 * the programs the agent's `run` op runs (systemctl, journalctl, nvidia-smi) are answered from
   the units in memory, in their real output formats (fake_systemd.py): `restart` starts a new
   process (a new MainPID) that loads for `load_polls` probes and then serves, or crashes, or
@@ -29,9 +31,12 @@ as "agent OP", unit actions as their systemctl command line, reads as "systemctl
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import subprocess
 import sys
+import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -212,6 +217,10 @@ class FakeHost:
         req = _map_paths(request, self._in)
         if op == "compile":  # the fake host's venv interpreter is this machine's (run as the unit's user)
             req["python"] = sys.executable
+            return answer_result(self.host.name, op, _compile_verdict(req, proc))
+        if op == "path_access":  # the real op, in a small agent process of its own (_ForkingOps)
+            proc.lease.renew()
+            return answer_result(self.host.name, op, _FORKING_OPS.handle(req))
         answer = json.loads(json.dumps(proc.handle(req)))
         if op == "facts" and answer.get("ok"):
             res = answer["result"]
@@ -290,6 +299,81 @@ class FakeHost:
             accept = self.accept_lengths.get(unit, 3.5)
             return httpx.Response(200, json={"internal_states": [{"avg_spec_accept_length": accept}]})
         return httpx.Response(404)
+
+
+# The `compile` op's verdicts on this machine, by request: the real agent's op (this machine's
+# interpreter in a subprocess, as the unit's user) runs once per distinct request in a process,
+# not at every deploy of the same files (a fault matrix deploys the same patch set a hundred
+# times). The verdict is a function of the request alone: the same files, interpreter, user and
+# timeout; only a verdict (errors or none) is kept, never a compile that did not finish.
+_COMPILE_VERDICTS: dict[str, dict[str, Any]] = {}
+
+
+def _compile_verdict(req: dict[str, Any], proc: Agent) -> dict[str, Any]:
+    key = json.dumps(req, sort_keys=True)
+    answer = _COMPILE_VERDICTS.get(key)
+    if answer is None:
+        answer = json.loads(json.dumps(proc.handle(req)))
+        if answer.get("ok") and answer["result"].get("failed") is None:
+            _COMPILE_VERDICTS[key] = answer
+    else:
+        proc.lease.renew()  # as the agent's handle() does for every request
+    return json.loads(json.dumps(answer))
+
+
+class _ForkingOps:
+    """The real agent as a small process of this machine, for the op that forks: `path_access`
+    asks in a forked child that takes the unit's identity (host/agent/path_access.py). A fork
+    copies the forking process's page tables, and every xdist worker has imported torch and scipy
+    by collecting tests/payload: there a fork costs about 20 ms of CPU, in this process under one,
+    and the quick loop's fake deploys make about a thousand. Same op, same files, same user: only
+    the process that forks is another. One per process, started at first use, ended by EOF when
+    this process goes (it holds no lock: its lease running out ends nothing); a dead one is
+    started again."""
+
+    START = ("from ddtree_ops.host.agent.serve import Agent, serve\n"
+             "agent = Agent()\n"
+             "agent.lease.lease_s = 1e9  # idle between tests: not a controller that went away\n"
+             "serve(agent=agent)\n")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """EOF to the helper, and wait for it (it exits at once: it holds no lock)."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            proc.stdin.close()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def handle(self, req: dict[str, Any]) -> dict[str, Any]:
+        line = (json.dumps(req) + "\n").encode()
+        with self._lock:
+            for _ in range(2):
+                if self._proc is None or self._proc.poll() is not None:
+                    self._proc = subprocess.Popen([sys.executable, "-c", self.START], stdin=subprocess.PIPE,
+                                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True)
+                try:
+                    self._proc.stdin.write(line)
+                    self._proc.stdin.flush()
+                    answer = self._proc.stdout.readline()
+                except OSError:
+                    answer = b""
+                if answer:
+                    return json.loads(answer)
+                self._proc.kill()
+                self._proc.wait()
+                self._proc = None
+        raise RuntimeError("the fake host's helper agent process gave no answer to path_access, twice")
+
+
+_FORKING_OPS = _ForkingOps()
 
 
 def _fate_from_installed_files(fake: FakeHost, unit: str) -> str:

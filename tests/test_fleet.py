@@ -347,7 +347,6 @@ def test_one_host_down_is_a_status_row_and_fails_only_itself_within_the_budget(f
     """The host that is down has a 3 s reconnect window: each command waits for it that long before
     it counts as down (60 s by default; tests/test_ssh_blips.py proves the window itself), and the
     other hosts keep theirs."""
-    sb = fleet[0].sandbox
     inv = str(sbx4_down.with_vars(tmp_path, reconnect_window_s=3).inventory)
     r = run_cli("status", "-i", inv, "--json")
     doc = r.json()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import datetime
 import json
 
-import click
 import pytest
 import typer
 import yaml
@@ -107,8 +106,30 @@ def test_each_key_reaches_every_command_with_that_option_and_the_report_dir_a_fi
 
 
 def test_a_plugin_group_gets_no_defaults_even_for_an_option_of_the_same_name():
-    """A plugin's options may share a name with ours, not a meaning."""
-    plugin = click.Group("plugin", commands=[click.Command("up", params=[click.Option(["--forks"])])])
+    """A plugin's options may share a name with ours, not a meaning: here its group's own --forks.
+    Built with typer, as the CLI and its plugins are (typer's vendored click: a typer group is no
+    click.Group, and an isinstance check on click's class gave this group the defaults)."""
+    top, plugin = typer.Typer(), typer.Typer()
+
+    @plugin.callback()
+    def plugin_root(forks: int = typer.Option(1, "--forks")) -> None: ...
+
+    @plugin.command("up")
+    def up(forks: int = typer.Option(1, "--forks")) -> None: ...
+
+    @top.command("status")
+    def status(forks: int = typer.Option(1, "--forks")) -> None: ...
+
+    top.add_typer(plugin, name="plugin")
+    group = typer.main.get_command(top)
+    assert default_map(group, typer.Context(group), Defaults(source="x", forks=3), NOW) == {"status": {"forks": 3}}
+
+
+def test_a_click_group_is_a_group_too():
+    """A plugin may still be written with click's own classes."""
+    click = pytest.importorskip("click")
+    plugin = click.Group("plugin", commands=[click.Command("up", params=[click.Option(["--forks"])])],
+                         params=[click.Option(["--forks"])])
     top = click.Group("top", commands=[plugin, click.Command("status", params=[click.Option(["--forks"])])])
     assert default_map(top, click.Context(top), Defaults(source="x", forks=3), NOW) == {"status": {"forks": 3}}
 

@@ -16,7 +16,6 @@ import sys
 from importlib import metadata
 from typing import Any
 
-import click
 import typer
 
 from ..config.defaults_file import Defaults, load_defaults
@@ -48,7 +47,15 @@ def report_file(folder: str, command: str, now: datetime.datetime) -> str:
     return path
 
 
-def default_map(group: click.Group, ctx: click.Context, defaults: Defaults, now: datetime.datetime) -> dict[str, Any]:
+def _is_group(cmd: Any) -> bool:
+    """A group of commands, click's or typer's: typer vendors its own click (typer._click), whose
+    classes are not click's, and click itself is no dependency of this tool (only of import-linter,
+    in the test venv), so an `isinstance(cmd, click.Group)` missed every typer group and the
+    `import click` would fail where the tool is installed alone."""
+    return callable(getattr(cmd, "list_commands", None))
+
+
+def default_map(group: Any, ctx: typer.Context, defaults: Defaults, now: datetime.datetime) -> dict[str, Any]:
     """{command: {option: value}} for every command of `group` with an option the defaults set. A
     plugin's group (the test rig's `sandbox`) gets none: its options may share a name, not a meaning."""
     given = defaults.given()
@@ -56,7 +63,7 @@ def default_map(group: click.Group, ctx: click.Context, defaults: Defaults, now:
     out: dict[str, Any] = {}
     for name in group.list_commands(ctx):
         cmd = group.get_command(ctx, name)
-        if cmd is None or isinstance(cmd, click.Group):
+        if cmd is None or _is_group(cmd):
             continue
         params = {p.name for p in cmd.params}
         sub = {k: v for k, v in given.items() if k in params}

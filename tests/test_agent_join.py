@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from ddtree_ops.host import agent
+from ddtree_ops.host import agent_source as agent_source_module
 from ddtree_ops.host.agent import BOOTSTRAP
-from ddtree_ops.host.agent_source import JoinError, agent_source, join_package, read_modules
+from ddtree_ops.host.agent_source import CACHE_GLOB, JoinError, agent_source, join_cached, join_package, read_modules
 
 AGENT_DIR = Path(agent.__file__).parent
 
@@ -97,3 +98,49 @@ def test_a_package_that_could_not_run_on_a_host_is_refused(tmp_path, modules, wh
     with pytest.raises(JoinError) as e:
         join_package(_package(tmp_path, **modules))
     assert why in str(e.value)
+
+
+# -- the join kept between processes (join_cached) ---------------------------------------------------
+
+def _join_refused(*_a, **_k):
+    raise AssertionError("joined again, though an entry for these sources was kept")
+
+
+def test_a_kept_join_is_read_back_until_a_module_changes(tmp_path, monkeypatch):
+    folder, cache = _package(tmp_path), tmp_path / "cache"
+    first = join_cached(folder, cache)
+    assert first == join_package(folder) and len(list(cache.glob(CACHE_GLOB))) == 1
+    monkeypatch.setattr(agent_source_module, "join_package", _join_refused)
+    assert join_cached(folder, cache) == first  # read back: joining again would raise
+    monkeypatch.undo()
+    (folder / "util.py").write_text("import os\n\n\ndef here():\n    return os.sep\n")
+    second = join_cached(folder, cache)
+    assert second != first and "os.sep" in second
+    assert [p.read_text().endswith(second) for p in cache.glob(CACHE_GLOB)] == [True]  # the old entry removed
+
+
+def test_a_kept_join_does_not_hide_a_refusal(tmp_path):
+    """A module changed into one that could not run on a host is refused, though the package
+    joined (and was kept) before the change."""
+    folder, cache = _package(tmp_path), tmp_path / "cache"
+    join_cached(folder, cache)
+    (folder / "util.py").write_text("import httpx\n\n\ndef here():\n    return httpx\n")
+    with pytest.raises(JoinError, match="not in the standard library"):
+        join_cached(folder, cache)
+
+
+def test_a_damaged_entry_is_joined_again_and_an_unwritable_cache_costs_only_the_join(tmp_path):
+    folder, cache = _package(tmp_path), tmp_path / "cache"
+    good = join_cached(folder, cache)
+    [entry] = cache.glob(CACHE_GLOB)
+    entry.write_text(entry.read_text().replace("return here()", "return None"))  # stamp no longer matches
+    assert join_cached(folder, cache) == good and entry.read_text().endswith(good)
+    entry.write_bytes(b"\xff\xfe not text")
+    assert join_cached(folder, cache) == good
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the cache folder would be")
+    assert join_cached(folder, blocked) == good
+
+
+def test_the_agent_sent_to_hosts_is_the_package_joined():
+    assert agent_source() == join_package(AGENT_DIR)

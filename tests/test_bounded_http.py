@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import socket
+import ssl
 import threading
 import time
 from types import SimpleNamespace
@@ -32,9 +33,10 @@ from ddtree_ops.gates.health import (
 )
 from ddtree_ops.gates.router import RouterError, SmgRouter
 from ddtree_ops.gates.workload import measure
-from ddtree_ops.host.bounded_http import BODY_CAP_ENV, BodyTooLarge, DeadlineExceeded
+from ddtree_ops.host.bounded_http import BODY_CAP_ENV, BodyTooLarge, DeadlineExceeded, bounded_transport
 from ddtree_ops.host.http import http_client
 from ddtree_ops.host.services import UnitProbe
+from ddtree_ops.host.tls import tls_context
 from ddtree_ops.testing.fake_host import fake_hosts
 
 TIMEOUT_S = 1.0
@@ -97,10 +99,10 @@ class LoopbackServer:
     """`behave(conn, path, stop)` answers each request; `path` is the request path, with " POST"
     or " stream" appended for a POST or a streaming /generate."""
 
-    def __init__(self, behave: Behaviour):
-        self.behave, self.stop = behave, threading.Event()
+    def __init__(self, behave: Behaviour, tls: ssl.SSLContext | None = None):
+        self.behave, self.stop, self.tls = behave, threading.Event(), tls
         self.sock = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.sock.getsockname()[1]}"
         self.conns: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -115,6 +117,8 @@ class LoopbackServer:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
+            if self.tls is not None:
+                conn = self.tls.wrap_socket(conn, server_side=True)
             data = b""
             while b"\r\n\r\n" not in data:
                 part = conn.recv(65536)
@@ -149,8 +153,8 @@ class LoopbackServer:
 def serve():
     servers: list[LoopbackServer] = []
 
-    def start(behave: Behaviour) -> LoopbackServer:
-        servers.append(LoopbackServer(behave))
+    def start(behave: Behaviour, tls: ssl.SSLContext | None = None) -> LoopbackServer:
+        servers.append(LoopbackServer(behave, tls))
         return servers[-1]
     yield start
     for s in servers:
@@ -380,3 +384,58 @@ def test_each_request_gets_its_own_deadline_on_a_reused_connection(serve, base_h
         for _ in range(3):
             assert c.get("/health", timeout=0.3).status_code == 200
             time.sleep(0.4)
+
+
+@pytest.fixture(scope="module")
+def loopback_cert(tmp_path_factory) -> tuple[ssl.SSLContext, str]:
+    """A self-signed certificate for 127.0.0.1: the server's context, and the certificate's file."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    d = tmp_path_factory.mktemp("tls")
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert_obj = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+                .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(hours=1))
+                .not_valid_after(now + datetime.timedelta(days=1))
+                .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                               critical=False)
+                .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+                .sign(key, hashes.SHA256()))
+    (d / "cert.pem").write_bytes(cert_obj.public_bytes(serialization.Encoding.PEM))
+    (d / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                  serialization.NoEncryption()))
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(d / "cert.pem", d / "key.pem")
+    return server, str(d / "cert.pem")
+
+
+def test_the_ca_bundle_is_loaded_for_https_only_and_https_still_verifies(serve, loopback_cert):
+    """Plain http (a host's server on its own network) never builds the TLS context; https builds
+    it at its first request and refuses a certificate it does not trust; a context trusting the
+    certificate is the control."""
+    server_tls, cert = loopback_cert
+    built: list[str] = []
+
+    def verify(trusting: bool = False) -> ssl.SSLContext:
+        built.append("trusting" if trusting else "bundle")
+        return ssl.create_default_context(cafile=cert) if trusting else tls_context()
+
+    plain, tls = serve(normal), serve(normal, server_tls)
+    with httpx.Client(transport=bounded_transport(None, verify), trust_env=False, timeout=5) as c:
+        assert c.get(plain.url + "/health").status_code == 200
+        assert built == []
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+            c.get(tls.url + "/health")
+        assert c.get(plain.url + "/health").status_code == 200
+    assert built == ["bundle"]
+    with httpx.Client(transport=bounded_transport(None, lambda: verify(trusting=True)), trust_env=False,
+                      timeout=5) as c:
+        assert c.get(tls.url + "/health").json() == {}
+    assert built == ["bundle", "trusting"]

@@ -32,7 +32,7 @@ def test_version_prints_the_installed_package_version_and_the_sglang_target():
 
 
 def test_version_is_read_from_the_package_metadata_not_written_in(monkeypatch):
-    monkeypatch.setattr(cmd_meta.metadata, "version", lambda name: "9.8.7")
+    monkeypatch.setattr(metadata, "version", lambda name: "9.8.7")  # read when asked: cmd_meta imports it then
     assert invoke("--version").stdout.startswith("ddtree-ops 9.8.7 ")
 
 

@@ -4,6 +4,8 @@ which the test rig's `sandbox` commands reach the CLI without the product import
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import subprocess
 import sys
@@ -68,8 +70,23 @@ def test_the_sandbox_commands_arrive_through_the_plugin_entry_point():
 
     eps = {ep.name: ep.value for ep in metadata.entry_points(group=commands.PLUGIN_GROUP)}
     assert eps == {"sandbox": "ddtree_ops.testing.cli:plugin"}
-    mounted = {g.name for g in commands.app.registered_groups}
-    assert "sandbox" in mounted
+    probe = ("from ddtree_ops.cli import commands\n"
+             "commands.mount_plugins_for(sys.argv[1:])\n"
+             "print(json.dumps(sorted(g.name for g in commands.app.registered_groups)))\n")
+    for argv, mounted in [(["sandbox", "up"], ["sandbox"]), ([], ["sandbox"]), (["--help"], ["sandbox"]),
+                          (["no-such-command"], ["sandbox"]), (["status", "-i", "x"], [])]:
+        r = subprocess.run([sys.executable, "-c", "import json, sys\n" + probe, *argv], capture_output=True,
+                           text=True, timeout=60, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert r.returncode == 0 and json.loads(r.stdout) == mounted, (argv, r.stdout, r.stderr)
+
+
+def test_one_of_the_tools_own_commands_starts_without_looking_for_plugins():
+    """Finding the plugins reads every installed distribution's metadata: a command of the tool's
+    own (a plugin cannot replace one) does without, and loads nothing of the test rig."""
+    code = "from ddtree_ops.cli import commands; commands.mount_plugins_for(['status', '-i', 'x'])"
+    assert modules_loaded_by(code, "ddtree_ops.testing", "importlib.metadata") == []
+    code = "from ddtree_ops.cli import commands; commands.mount_plugins_for(['sandbox'])"
+    assert "importlib.metadata" in modules_loaded_by(code, "importlib.metadata")  # the control
 
 
 def test_a_broken_plugin_costs_its_own_commands_only(monkeypatch, capsys):
@@ -99,8 +116,8 @@ def test_a_broken_plugin_costs_its_own_commands_only(monkeypatch, capsys):
 
 @pytest.mark.parametrize("module, allowed", [
     ("ddtree_ops.fleet.actions", set()),
-    # the CLI loads its plugins: the sandbox group's module and its package, nothing of the rig
-    ("ddtree_ops.cli.commands", {"ddtree_ops.testing", "ddtree_ops.testing.cli"}),
+    # the CLI loads its plugins when it runs (main), not when it is imported
+    ("ddtree_ops.cli.commands", set()),
 ])
 def test_the_product_runs_without_the_test_rig_loaded(module, allowed):
     assert set(modules_loaded_by(f"import {module}", "ddtree_ops.testing")) <= allowed

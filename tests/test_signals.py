@@ -110,8 +110,12 @@ def test_an_interrupt_before_a_command_guards_itself_is_still_named_with_its_exi
         if raised is not None:
             raise raised
 
+    @app.command()
+    def other():  # two commands: a group, as the tool's (and `slow-start` one of its own: no plugins)
+        pass
+
     monkeypatch.setattr(commands, "app", app)
-    monkeypatch.setattr(sys, "argv", ["ddtree-ops"])
+    monkeypatch.setattr(sys, "argv", ["ddtree-ops", "slow-start"])
     with pytest.raises(SystemExit) as ei:
         commands.main()
     assert (ei.value.code or 0, capsys.readouterr().err) == (code, said)

@@ -8,8 +8,8 @@ Exit codes (also in the README):
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
-from importlib import metadata
 from typing import Optional
 
 import typer
@@ -43,6 +43,8 @@ PLUGIN_GROUP = "ddtree_ops.cli_plugins"
 
 
 def _mount_plugins() -> None:
+    from importlib import metadata
+
     for ep in sorted(metadata.entry_points(group=PLUGIN_GROUP), key=lambda ep: ep.name):
         try:
             group = ep.load()()
@@ -52,7 +54,23 @@ def _mount_plugins() -> None:
         app.add_typer(group, name=ep.name)
 
 
-_mount_plugins()
+def _own_command_names() -> set[str]:
+    # typer's own naming: the function's name, lower case, "_" as "-", unless the command names itself
+    names = {c.name or c.callback.__name__.lower().replace("_", "-")
+             for c in app.registered_commands if c.callback is not None or c.name}
+    return names | {g.name for g in app.registered_groups if g.name}
+
+
+def mount_plugins_for(args: list[str]) -> None:
+    """The plugins' groups, unless `args` name one of the tool's own commands (a plugin cannot
+    replace those): finding and loading them (importlib.metadata, every installed distribution's
+    entry points, then the plugin's modules) was about 0.1 CPU-s of every start. The list of
+    commands (no command, an option first, an unknown word) and shell completion get them all."""
+    word = args[0] if args else ""
+    if word and not word.startswith("-") and word in _own_command_names() and not any(
+            k.startswith("_") and k.endswith("_COMPLETE") for k in os.environ):
+        return
+    _mount_plugins()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -581,6 +599,7 @@ def main(hooks: Hooks = NO_HOOKS) -> None:
     SIGTERM and SIGHUP end it the way Ctrl-C does (signals.py)."""
     from .signals import signals_as_interrupts, typer_swallowed
 
+    mount_plugins_for(sys.argv[1:])
     with signals_as_interrupts():
         try:
             app(obj=hooks)

@@ -17,7 +17,6 @@ import os
 import socket
 import threading
 from dataclasses import dataclass
-from importlib import metadata
 from typing import Any, Callable, Mapping
 
 import httpx
@@ -169,7 +168,7 @@ class Notifier(Milestones):
     def _post(self, r: _Ready, event: NotifyEvent, doc: dict[str, Any]) -> None:
         hook = r.hook
         try:
-            inner = self._transport if self._transport is not None else network_transport(tls_context())
+            inner = self._transport if self._transport is not None else network_transport(tls_context)
             with httpx.Client(transport=BoundedTransport(inner), timeout=hook.timeout_s, follow_redirects=False,
                               trust_env=False) as client:
                 # The answer's status is all that counts: its body is never read (whatever its size).
@@ -191,6 +190,8 @@ def _cause(e: Exception, hook: Webhook) -> str:
 
 
 def _user_agent() -> str:
+    from importlib import metadata  # imported when a webhook is posted, not at every start
+
     try:
         return f"ddtree-ops/{metadata.version('ddtree-ops')}"
     except metadata.PackageNotFoundError:

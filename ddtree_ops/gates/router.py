@@ -142,7 +142,7 @@ class SmgRouter:
                 headers["Authorization"] = "Bearer " + key
             self._http = httpx.Client(  # each request bounded whole by its timeout (bounded_http)
                 base_url=self.settings.url, headers=headers, trust_env=False,
-                transport=bounded_transport(self._transport, tls_context()),
+                transport=bounded_transport(self._transport, tls_context),
                 timeout=min(10.0, self.settings.timeout_s))
         return self._http
 

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import ast
 import functools
+import hashlib
+import os
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -196,7 +199,54 @@ def join_package(folder: Path, entry: str = ENTRY) -> str:
     return join_modules(read_modules(folder), entry)
 
 
+CACHE_GLOB = "ddtree-agent.*.joined"  # in the agent package's __pycache__, beside its bytecode
+
+
+def join_cached(folder: Path, cache_dir: Path) -> str:
+    """`join_package(folder)`, kept in `cache_dir` under a key of everything the join reads.
+
+    Joining parses and walks the whole agent (about 0.18 CPU-s) and every controller process pays
+    it once, the CLI at every start. The key is a hash of this module's own source (the rules),
+    the Python version (its parser and its list of standard modules) and every agent module's name
+    and bytes, so a change to any of them joins again; the entry carries a hash of its text and one
+    that does not match is joined again too. Written to a temporary file and renamed into place
+    (concurrent runs read a whole entry or none); entries of other keys are removed then. A
+    folder that cannot be written costs only the join. The entry lives with the same protection
+    as the bytecode Python writes beside it: whoever can change it can change the agent's .py."""
+    h = hashlib.sha256(Path(__file__).read_bytes())
+    h.update(repr(sys.version_info[:2]).encode())
+    for path in sorted(folder.glob("*.py")):
+        h.update(b"\0%s\0%d\0" % (path.name.encode(), path.stat().st_size))
+        h.update(path.read_bytes())
+    entry = cache_dir / CACHE_GLOB.replace("*", h.hexdigest()[:32])
+    try:
+        stamp, _, text = entry.read_text().partition("\n")
+        if stamp == "# sha256 " + hashlib.sha256(text.encode()).hexdigest():
+            return text
+    except (OSError, UnicodeDecodeError):
+        pass
+    joined = join_package(folder)
+    try:
+        cache_dir.mkdir(exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".ddtree-agent.")
+        try:
+            with os.fdopen(fd, "w") as fh:
+                fh.write(f"# sha256 {hashlib.sha256(joined.encode()).hexdigest()}\n{joined}")
+            os.replace(tmp, entry)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+        for old in cache_dir.glob(CACHE_GLOB):
+            if old != entry:
+                old.unlink(missing_ok=True)
+    except OSError:
+        pass  # read-only install: joined again by the next process
+    return joined
+
+
 @functools.cache
 def agent_source() -> str:
-    """The source the channel sends to every host (joined once per controller process)."""
-    return join_package(Path(agent.__file__).parent)
+    """The source the channel sends to every host (joined once per controller process, and kept
+    between processes: join_cached)."""
+    folder = Path(agent.__file__).parent
+    return join_cached(folder, folder / "__pycache__")

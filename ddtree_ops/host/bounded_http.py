@@ -123,13 +123,44 @@ class _DeadlineBackend(httpcore.NetworkBackend):
         self._inner.sleep(seconds)
 
 
-def network_transport(verify: ssl.SSLContext) -> httpx.HTTPTransport:
-    """httpx's own transport over `_DeadlineBackend` (its pool is the one seam httpx gives for a
-    network backend: HTTPTransport builds the same pool, without the backend argument)."""
-    t = httpx.HTTPTransport(verify=verify, trust_env=False)
-    t._pool = httpcore.ConnectionPool(ssl_context=verify, network_backend=_DeadlineBackend(),
+def network_transport(verify: typing.Callable[[], ssl.SSLContext]) -> httpx.BaseTransport:
+    """The network: httpx's own transport over `_DeadlineBackend`, one per URL scheme, each made
+    at its scheme's first request. `verify` (tls.tls_context) is called only for https: building it
+    loads the CA bundle, about 0.05 CPU-s, which every CLI start paid though its hosts' servers
+    answer plain http on their own network. The http transport's context verifies and trusts
+    nothing: it is never handed a TLS connection, and if it were, the handshake could only fail."""
+    return _PerScheme(verify)
+
+
+def _pool_transport(ssl_context: ssl.SSLContext) -> httpx.HTTPTransport:
+    # httpx's pool is the one seam it gives for a network backend: HTTPTransport builds the same
+    # pool, without the backend argument.
+    t = httpx.HTTPTransport(verify=ssl_context, trust_env=False)
+    t._pool = httpcore.ConnectionPool(ssl_context=ssl_context, network_backend=_DeadlineBackend(),
                                       max_connections=100, max_keepalive_connections=20, keepalive_expiry=5.0)
     return t
+
+
+class _PerScheme(httpx.BaseTransport):
+    def __init__(self, verify: typing.Callable[[], ssl.SSLContext]):
+        self._verify = verify
+        self._by_scheme: dict[str, httpx.HTTPTransport] = {}
+        self._lock = threading.Lock()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        scheme = request.url.scheme
+        with self._lock:
+            transport = self._by_scheme.get(scheme)
+            if transport is None:
+                context = self._verify() if scheme == "https" else ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+                transport = self._by_scheme[scheme] = _pool_transport(context)
+        return transport.handle_request(request)
+
+    def close(self) -> None:
+        with self._lock:
+            transports, self._by_scheme = list(self._by_scheme.values()), {}
+        for t in transports:
+            t.close()
 
 
 class _BoundedBody(httpx.SyncByteStream):
@@ -211,7 +242,8 @@ class BoundedTransport(httpx.BaseTransport):
         self._inner.close()
 
 
-def bounded_transport(transport: httpx.BaseTransport | None, verify: ssl.SSLContext) -> BoundedTransport:
+def bounded_transport(transport: httpx.BaseTransport | None,
+                      verify: typing.Callable[[], ssl.SSLContext]) -> BoundedTransport:
     """The transport a client of the tool is built with: `transport` (a test's MockTransport) or
-    the network, bounded."""
+    the network (`verify` builds its TLS context, at the first https request), bounded."""
     return BoundedTransport(transport if transport is not None else network_transport(verify))

@@ -25,4 +25,4 @@ def http_client(host: Host, transport: httpx.BaseTransport | None = None) -> htt
     if key:
         headers["Authorization"] = "Bearer " + key
     return httpx.Client(base_url=host.base_url, timeout=host.health.request_timeout_s, headers=headers,
-                        trust_env=False, transport=bounded_transport(transport, tls_context()))
+                        trust_env=False, transport=bounded_transport(transport, tls_context))

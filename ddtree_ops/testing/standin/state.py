@@ -21,7 +21,10 @@ never emits the steps it missed back to back (a burst of chunks a fraction of a 
 apart, which a client would read as an inter-token latency far below the release's). Between two
 chunks on the server's clock there is therefore always at least one step time (with
 --standin-tokens-per-second R, the second chunk's tokens / R); only --standin-generate-seconds,
-which fixes a generation's whole duration, keeps its chunks on a schedule from the admission."""
+which fixes a generation's whole duration, keeps its chunks on a schedule from the admission.
+/server_info's `standin_paced_gen_throughput` is the last request's decode rate on that schedule
+(the rate the modelled GPU made); `sglang:gen_throughput` is SGLang's, on the process's clock,
+lower when the stand-in was starved of CPU."""
 
 from __future__ import annotations
 
@@ -213,6 +216,10 @@ class State:
         self.ddtree_fns = lookup_ddtree_functions()
         self.calibration: Calibration | None = None  # set by `calibrate_payload`
         self.payload_errors = 0
+        # The last counted request's decode rate on the pacing's schedule: what the modelled GPU
+        # made, whatever CPU this process got (gen_throughput, on its clock, counts the time a
+        # starved stand-in was not scheduled); None until a paced request has finished.
+        self.paced_gen_throughput: float | None = None
         self.start_time = time.time()
         self.metrics = Metrics()
         self.metrics_enabled = _truthy(extra.get("enable_metrics"))
@@ -345,6 +352,7 @@ class State:
             "standin_ddtree_modules": dict(self.imported),
             "standin_ddtree_path": self.ddtree_fns is not None,
             "standin_payload_errors": self.payload_errors,
+            "standin_paced_gen_throughput": self.paced_gen_throughput,
             "standin_extra_args": masked(self.extra),
             "internal_states": [dict(state) for _ in range(max(1, a.dp_size))],
             "status": self.status,
@@ -427,6 +435,7 @@ class Generation:
         self.incremental = stream and state.incremental_streaming
         self.used_ddtree = state.calibration is not None  # paced with what the payload accepts
         self.done = False
+        self._paced_s = 0.0
         self._slot_held = False
         self._admitted = False
 
@@ -475,6 +484,7 @@ class Generation:
         sent = 0  # tokens already sent (incremental streaming)
         times: list[float] = []
         due = t0 + ttft
+        self._paced_s = 0.0  # the steps after the first on the pacing's schedule, lateness left out
         steps = self._steps()
         try:
             while True:
@@ -493,7 +503,9 @@ class Generation:
                 else:
                     # A step starts when the previous one is out, and not before it was due: a late
                     # chunk shifts the steps after it (never a burst of missed steps to catch up).
-                    due = max(due, times[-1]) + (len(step) / rate if rate is not None else step_s)
+                    took = len(step) / rate if rate is not None else step_s
+                    due = max(due, times[-1]) + took
+                    self._paced_s += took
                 if final and total_s > 0:
                     due = t0 + total_s
                 _sleep_until(due)
@@ -561,6 +573,8 @@ class Generation:
             throughput = n / max(e2e, 1e-6)
         if self.count_stats:
             with st.lock:
+                if self._paced_s > 0:
+                    st.paced_gen_throughput = (n - first_n) / self._paced_s
                 st.generate_count += 1
                 st.total_verify_ct += verify_ct if verify_ct else 1
                 st.total_committed += n if verify_ct else 1

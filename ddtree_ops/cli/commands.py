@@ -17,6 +17,7 @@ import typer
 from ..config.terminal import terminal_safe
 from ..errors import EXIT_ERROR, DdtreeOpsError, InputError
 from ..host.hooks import NO_HOOKS, Hooks
+from .cmd_meta import COMPLETE_VAR
 from .cmd_meta import register as register_meta
 from .common import INVENTORY_OPT, LIMIT_OPT, hooks_of, output_file
 from .common import confirm as _confirm
@@ -67,8 +68,7 @@ def mount_plugins_for(args: list[str]) -> None:
     entry points, then the plugin's modules) was about 0.1 CPU-s of every start. The list of
     commands (no command, an option first, an unknown word) and shell completion get them all."""
     word = args[0] if args else ""
-    if word and not word.startswith("-") and word in _own_command_names() and not any(
-            k.startswith("_") and k.endswith("_COMPLETE") for k in os.environ):
+    if word and not word.startswith("-") and word in _own_command_names() and COMPLETE_VAR not in os.environ:
         return
     _mount_plugins()
 

@@ -435,7 +435,7 @@ class Generation:
         self.incremental = stream and state.incremental_streaming
         self.used_ddtree = state.calibration is not None  # paced with what the payload accepts
         self.done = False
-        self._paced_s = 0.0
+        self._paced_s = 0.0  # the steps after the first on the pacing's schedule, lateness left out
         self._slot_held = False
         self._admitted = False
 
@@ -484,7 +484,6 @@ class Generation:
         sent = 0  # tokens already sent (incremental streaming)
         times: list[float] = []
         due = t0 + ttft
-        self._paced_s = 0.0  # the steps after the first on the pacing's schedule, lateness left out
         steps = self._steps()
         try:
             while True:

@@ -155,6 +155,38 @@ def test_open_session_retries_within_the_inventorys_window_and_says_so(tmp_path,
         session_mod.open_session(host, sleep=clock.sleep, clock=clock)
 
 
+def test_each_retried_try_reaches_the_connect_retry_point_and_the_callers_hook(tmp_path, monkeypatch):
+    """The sandbox tests time an outage from the first refused try through this point, not from the
+    CLI's start; the caller's on_retry still hears each retry, after the point."""
+    from ddtree_ops.host.hooks import Hooks
+
+    monkeypatch.delenv("DDTREE_OPS_RECONNECT_S", raising=False)
+    heard: list[str] = []
+
+    class Recording(Hooks):
+        def pause(self, point: str) -> None:
+            heard.append(point)
+
+    class Opened:
+        connect_tries = 0
+
+    tries = []
+
+    def open_once(h, accept_new, hooks):
+        tries.append(1)
+        heard.append("try")
+        if len(tries) < 3:
+            raise UnreachableError(f"{h.name}: cannot reach 127.0.0.1:22: Connection refused")
+        return Opened()
+
+    monkeypatch.setattr(session_mod, "_open_once", open_once)
+    clock = Clock()
+    session_mod.open_session(_host(tmp_path, reconnect_window_s=5), hooks=Recording(), sleep=clock.sleep, clock=clock,
+                             on_retry=lambda e, pause: heard.append(f"on_retry {pause:g}"))
+    assert heard == ["before-connect", "try", "connect-retry", "on_retry 0.5", "try", "connect-retry", "on_retry 1",
+                     "try"]
+
+
 def test_the_window_is_an_inventory_field_with_a_range(tmp_path):
     assert _host(tmp_path).reconnect_window_s == 60
     assert _host(tmp_path, reconnect_window_s=0.5).reconnect_window_s == 0.5

@@ -107,19 +107,19 @@ def routed_fleet(sandbox, clean_hosts, tmp_path):
 
 
 def first_host_unreachable(start_cli, sandbox, host: str, args: tuple[str, ...], env: dict, marker, down_s: float):
-    """`ddtree-ops ARGS` held at its first host's first contact (the before-connect pause point),
-    that host's sshd stopped, then let go: its first try meets a refused connection, and sshd comes
-    back `down_s` later. The result (sshd is started again whatever happens)."""
+    """`ddtree-ops ARGS` started with `host`'s sshd stopped: once its first try has met a refused
+    connection (the connect-retry pause point, so the CLI's start-up time does not count), sshd
+    comes back `down_s` later. The result (sshd is started again whatever happens)."""
     from test_faults import pause_env, wait_paused
 
-    p = start_cli(*args, env={**env, **pause_env("before-connect", marker)})
-    wait_paused(p, marker)
     sandbox.stop_sshd(host)
     up = False
     try:
+        p = start_cli(*args, env={**env, **pause_env("connect-retry", marker)})
+        wait_paused(p, marker)
         t0 = time.monotonic()
         while p.proc.poll() is None and time.monotonic() - t0 < 600:
-            marker.unlink(missing_ok=True)  # each host's first contact pauses there
+            marker.unlink(missing_ok=True)  # each retry pauses there
             if not up and time.monotonic() - t0 >= down_s:
                 sandbox.start_sshd(host)
                 up = True
@@ -151,7 +151,7 @@ def test_a_rolling_deploy_and_a_rollback_through_smg_fail_no_request(routed_flee
         with RoutedSampler(info) as during_rollback:
             back = first_host_unreachable(start_cli, sandbox, "sbx1", (
                 "rollback", "-i", str(inv), "--yes", "--json", "--report", str(tmp_path / "rollback.html")), env,
-                tmp_path / "pause-before-connect", down_s=3.0)
+                tmp_path / "pause-connect-retry", down_s=3.0)
         sent_rollback, failed_rollback = client.sent - sent_deploy, len(client.failed) - failed_deploy
         time.sleep(1.0)
     after_rollback = run_cli("status", "-i", str(inv), "--json", env=env)

@@ -72,8 +72,7 @@ def _outage_at(th, start_cli, tmp: Path, args: tuple[str, ...], point: str,
     p = start_cli(*args, env={**pause_env(point, marker), "DDTREE_OPS_RECONNECT_S": "60"})
     wait_paused(p, marker)
     at_pause()
-    outage = SshOutage(th.sandbox, th.name).start(OUTAGE_S)
-    time.sleep(0.3)  # the session the run holds is gone before it goes on
+    outage = SshOutage(th.sandbox, th.name).start(OUTAGE_S)  # returns once the run's session is gone
     # Let it go on, also when a retry after the reconnect reaches the same pause point again.
     while p.proc.poll() is None and time.monotonic() - t0 < 240:
         marker.unlink(missing_ok=True)

@@ -2,9 +2,11 @@
 
 Two kinds of outage, as a flaky network or an sshd restart makes them: every sshd session killed
 for 2.5 s with the listener kept (ddtree_ops.testing.ssh_outage: a connection is accepted, then
-dies in its handshake), and sshd stopped for 5 s (connection refused). Each starts just before the
-command's first contact with the host (the `before-connect` pause point, or sshd stopped before the
-command starts): `deploy`, `rollback` and `status` ride it out (exit 0) and report the tries;
+dies in its handshake), and sshd stopped for 5 s (connection refused). Each is timed from the
+command's first contact with the host, never from its start (a CLI that took more than 5 s to start
+on a loaded machine once met sshd back at its first try): the killing from the first session that
+opens, the stopped sshd from the first try refused (the `connect-retry` pause point). `deploy`,
+`rollback` and `status` ride it out (exit 0) and report the tries;
 the same outage past a short `reconnect_window_s` is exit 1 naming the window, with nothing
 changed; a host key that turns out changed once sshd is back ends the retries at once (exit 2).
 A blip after the first change (the run resumes) is tests/test_outage_corpus.py's.
@@ -39,38 +41,48 @@ def _status_args(th) -> tuple[str, ...]:
     return ("status", "-i", str(th.inventory), "-l", th.name, "--json")
 
 
-def _through_killed_sessions(th, start_cli, tmp: Path, args: tuple[str, ...]):
-    """`args` held at its first contact, every sshd session of the host killed for KILLED_S,
-    then let go into it; (result, sessions killed)."""
-    tmp.mkdir(parents=True, exist_ok=True)
-    marker = tmp / "pause-before-connect"
-    p = start_cli(*args, env=pause_env("before-connect", marker))
-    wait_paused(p, marker)
-    outage = SshOutage(th.sandbox, th.name).start(KILLED_S)
-    time.sleep(0.3)  # the killer is at work before the first try
-    while p.proc.poll() is None:  # status reads again after a lost read: it may pause once more
+def _let_go(p, marker: Path, seconds: float) -> None:
+    """`seconds` (or until `p` ends) with every pause at `marker` let go at once."""
+    end = time.monotonic() + seconds
+    while p.proc.poll() is None and time.monotonic() < end:
         marker.unlink(missing_ok=True)
         time.sleep(0.05)
-    return p.wait(10), outage.wait()
 
 
-def _through_stopped_sshd(th, start_cli, args: tuple[str, ...], env: dict | None = None, *, outlasts: bool = True):
-    """sshd stopped before `args` starts, started again STOPPED_S later; (result, seconds from
-    sshd's start to the command's end). `outlasts`: the command must still be trying then; else
-    sshd stays down until the command has ended (an outage longer than its window, however long
-    the command took to start: a CLI that took 3 s to start on a loaded machine once counted its
-    2 s window from its first try and met sshd back at 5 s)."""
+def _through_killed_sessions(th, start_cli, tmp: Path, args: tuple[str, ...]):
+    """Every sshd session of the host killed for KILLED_S from `args`' first contact on, however
+    long the command takes to start; (result, sessions killed)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    outage = SshOutage(th.sandbox, th.name).start(KILLED_S, from_first_contact=True)
+    try:
+        r = start_cli(*args).wait(240)
+    finally:
+        killed = outage.wait()
+    return r, killed
+
+
+def _through_stopped_sshd(th, start_cli, tmp: Path, args: tuple[str, ...], env: dict | None = None, *,
+                          outlasts: bool = True):
+    """sshd stopped before `args` starts; once a try has met it stopped (the connect-retry pause
+    point: an event, not a guess at how long the CLI takes to start), still stopped for STOPPED_S,
+    then started again; (result, seconds from sshd's start to the command's end). `outlasts`: the
+    command must still be trying then; else sshd stays down until the command has ended (an
+    outage longer than its window)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    marker = tmp / "pause-connect-retry"
     th.sandbox.stop_sshd(th.name)
     try:
-        p = start_cli(*args, env=env)
-        time.sleep(STOPPED_S)
+        p = start_cli(*args, env={**(env or {}), **pause_env("connect-retry", marker)})
+        wait_paused(p, marker)
+        _let_go(p, marker, STOPPED_S)
         assert p.proc.poll() is None or not outlasts, f"gave up while sshd was down:\n{p.stderr()[-2000:]}"
         if not outlasts:
-            p.wait(120)
+            _let_go(p, marker, 120)
     finally:
         th.sandbox.start_sshd(th.name)
     back = time.monotonic()
-    r = p.wait(240)
+    _let_go(p, marker, 240)
+    r = p.wait(10)
     return r, time.monotonic() - back
 
 
@@ -84,7 +96,7 @@ def _deploy_killed_then_rollback_stopped(th, start_cli, tmp: Path) -> None:
     assert r.code == 0, r.stderr[-3000:]
     assert killed > 0 and _tries(r) > 1, (killed, host_result(r))
     assert_on_release(th, ps)
-    r, _ = _through_stopped_sshd(th, start_cli, rollback_args(th, "--to", "original"))
+    r, _ = _through_stopped_sshd(th, start_cli, tmp / "rollback", rollback_args(th, "--to", "original"))
     assert r.code == 0, r.stderr[-3000:]
     assert _tries(r) > 1 and host_result(r)["outcome"] == "rolled_back", host_result(r)
     assert_pre_deploy(th)
@@ -92,7 +104,7 @@ def _deploy_killed_then_rollback_stopped(th, start_cli, tmp: Path) -> None:
 
 def _deploy_stopped_then_rollback_killed(th, start_cli, tmp: Path) -> None:
     ps = three_files(tmp, "S")
-    r, _ = _through_stopped_sshd(th, start_cli, deploy_args(th, ps))
+    r, _ = _through_stopped_sshd(th, start_cli, tmp / "deploy", deploy_args(th, ps))
     assert r.code == 0, r.stderr[-3000:]
     assert _tries(r) > 1, host_result(r)
     assert_on_release(th, ps)
@@ -103,10 +115,10 @@ def _deploy_stopped_then_rollback_killed(th, start_cli, tmp: Path) -> None:
 
 
 def _status_both_ways(th, start_cli, tmp: Path) -> None:
-    r, killed = _through_killed_sessions(th, start_cli, tmp, _status_args(th))
+    r, killed = _through_killed_sessions(th, start_cli, tmp / "killed", _status_args(th))
     assert r.code == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert killed > 0 and _tries(r) > 1 and host_result(r)["reachable"], host_result(r)
-    r, _ = _through_stopped_sshd(th, start_cli, _status_args(th))
+    r, _ = _through_stopped_sshd(th, start_cli, tmp / "stopped", _status_args(th))
     assert r.code == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert _tries(r) > 1 and host_result(r)["reachable"], host_result(r)
 
@@ -116,7 +128,7 @@ def _past_the_window_then_a_changed_key(th, start_cli, tmp: Path) -> None:
     short = th.with_vars(tmp, reconnect_window_s=2)
     ps = three_files(tmp, "W")
     t0 = time.monotonic()
-    r, _ = _through_stopped_sshd(short, start_cli, deploy_args(short, ps), outlasts=False)
+    r, _ = _through_stopped_sshd(short, start_cli, tmp / "past", deploy_args(short, ps), outlasts=False)
     res = host_result(r)
     assert r.code == 1 and res["outcome"] == "unreachable", r.stderr[-3000:]
     assert "reconnect window (2 s" in res["message"] and "nothing was changed" in res["message"], res["message"]
@@ -130,7 +142,7 @@ def _past_the_window_then_a_changed_key(th, start_cli, tmp: Path) -> None:
     changed = tmp / "known_hosts_changed"
     changed.write_text(f"{th.host.address} {pub[0]} {pub[1]}\n")
     wrong = th.with_vars(tmp, known_hosts=str(changed))
-    r, after_back = _through_stopped_sshd(wrong, start_cli, deploy_args(wrong, ps),
+    r, after_back = _through_stopped_sshd(wrong, start_cli, tmp / "key", deploy_args(wrong, ps),
                                           env={"DDTREE_OPS_RECONNECT_S": "120"})
     assert r.code == 2 and "has CHANGED" in host_result(r)["message"], r.stderr[-3000:]
     assert after_back < 15, f"{after_back:.1f} s after sshd was back: the changed key was retried"

@@ -5,10 +5,11 @@ default (`NO_HOOKS`) does nothing, and only the test rig (`ddtree_ops.testing.pa
 one that acts. So nothing on the deploy path reads a test's environment variables.
 
 Points (in deploy order): before-connect (each host's first contact, also of status, plan and
-logs), before-backup, after-backup, between-files (asked of the agent, which
-pauses after the first installed file, on the host), after-unit, before-deregister (each time a
-serving unit leaves the router), wait-for-weights, before-register (each time, the rollback's
-too), before-commit; in a rollback: rollback-services (files restored, the units not yet).
+logs), connect-retry (each failed try of a first contact that is to be retried), before-backup,
+after-backup, between-files (asked of the agent, which pauses after the first installed file, on
+the host), after-unit, before-deregister (each time a serving unit leaves the router),
+wait-for-weights, before-register (each time, the rollback's too), before-commit; in a rollback:
+rollback-services (files restored, the units not yet).
 """
 
 from __future__ import annotations

@@ -173,10 +173,16 @@ def open_session(host: Host, *, accept_new_host_keys: bool = False, hooks: Hooks
     repeated authentication refusal, an agent_python that cannot run; after the window,
     WindowExceeded (exit 1) naming it, with nothing changed on the host."""
     window = reconnect_window_s(host) if window_s is None else window_s
+
+    def retrying(e: BaseException, pause: float) -> None:
+        hooks.pause("connect-retry")  # a try failed and is to be retried: a test's proof that one did
+        if on_retry is not None:
+            on_retry(e, pause)
+
     hooks.pause("before-connect")
     try:
         reached = retry_until_reached(lambda: _open_once(host, accept_new_host_keys, hooks), window_s=window,
-                                      sleep=sleep, clock=clock, on_retry=on_retry)
+                                      sleep=sleep, clock=clock, on_retry=retrying)
     except WindowExceeded as e:
         raise WindowExceeded(f"{host.name}: unreachable: {cause(e.last, host.name)}; tried {e.tries} times over the "
                              f"reconnect window ({window:g} s, `reconnect_window_s` in the inventory); nothing was "

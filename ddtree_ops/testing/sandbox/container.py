@@ -119,14 +119,18 @@ def leader(h: SandboxHost) -> int | None:
     return int(children[0]) if children else None
 
 
-def inside(h: SandboxHost, argv: list[str], check: bool = True, timeout: float = 60.0) -> subprocess.CompletedProcess:
-    """`argv` run inside the host (all its namespaces), as root; with `check`, a failure is a
-    SandboxError naming it."""
+def inside_argv(h: SandboxHost, argv: list[str]) -> list[str]:
+    """The machine's command line that runs `argv` inside the host (all its namespaces), as root,
+    with the host's own PATH and nothing else of the caller's environment."""
     pid = leader(h)
     if pid is None:
         raise SandboxError(f"{h.name}: the container is not running")
-    return run(["nsenter", "-t", str(pid), "-a", "env", "-i", f"PATH={SYSTEM_PATH}", "LANG=C.UTF-8", *argv],
-               check=check, timeout=timeout)
+    return ["nsenter", "-t", str(pid), "-a", "env", "-i", f"PATH={SYSTEM_PATH}", "LANG=C.UTF-8", *argv]
+
+
+def inside(h: SandboxHost, argv: list[str], check: bool = True, timeout: float = 60.0) -> subprocess.CompletedProcess:
+    """`argv` run inside the host, to its end; with `check`, a failure is a SandboxError naming it."""
+    return run(inside_argv(h, argv), check=check, timeout=timeout)
 
 
 def kill_cgroup(h: SandboxHost, unit: str) -> None:

@@ -229,6 +229,11 @@ class Sandbox:
         """`argv` run as root inside host `name` (not over SSH): a CompletedProcess."""
         return container.inside(self._host(name), argv, check=check)
 
+    def inside_argv(self, name: str, argv: list[str]) -> list[str]:
+        """The machine's command line that runs `argv` inside host `name` (for a process the
+        caller starts and reads as it runs)."""
+        return container.inside_argv(self._host(name), argv)
+
     def stop_sshd(self, name: str) -> None:
         """The host unreachable over SSH: its sshd unit stopped and every session ended."""
         self.inside(name, ["systemctl", "stop", SSHD_UNIT])

@@ -366,6 +366,21 @@ def in_parallel(scenarios: dict[str, "Callable[[], object]"]) -> dict[str, objec
     return results
 
 
+# A probe for races against the CLI's start-up: with this variable set (seconds), every
+# background CLI (CliProcess) sleeps that long before it imports anything, as a CLI on a starved
+# machine starts late. A test that times something from the CLI's start instead of from an event
+# fails under it (the first-contact outages once did: sshd was back before the first try).
+START_DELAY = "DDTREE_OPS_TEST_CLI_START_DELAY_S"
+
+
+def _cli_argv(module: str) -> list[str]:
+    delay = float(os.environ.get(START_DELAY) or 0)
+    if delay <= 0:
+        return [sys.executable, "-m", module]
+    return [sys.executable, "-c", f"import runpy, sys, time; time.sleep({delay!r}); sys.argv[0] = {module!r}; "
+                                  f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)"]
+
+
 class CliProcess:
     """`ddtree-ops ARGS` running in the background (own session), output in files; SIGINT, SIGTERM
     and SIGHUP at their defaults when it starts (`default_dispositions`), as tests signal it."""
@@ -374,7 +389,7 @@ class CliProcess:
         self.out_path = workdir / f"cli-{os.getpid()}-{id(self)}.out"
         self.err_path = workdir / f"cli-{os.getpid()}-{id(self)}.err"
         with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", cli_module(env), *args], stdout=out, stderr=err,
+            self.proc = subprocess.Popen([*_cli_argv(cli_module(env)), *args], stdout=out, stderr=err,
                                          stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})},
                                          start_new_session=True, preexec_fn=default_dispositions)
 

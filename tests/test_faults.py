@@ -135,6 +135,15 @@ def wait_paused(proc, marker: Path, timeout: float = 120) -> int:
     return int(text.split()[0])
 
 
+def let_go(proc, marker: Path, seconds: float, interval: float = 0.05) -> None:
+    """For `seconds`, or until the tool ends, every pause at `marker` let go at once (a run that
+    retries or resumes reaches its pause point again)."""
+    end = time.monotonic() + seconds
+    while proc.proc.poll() is None and time.monotonic() < end:
+        marker.unlink(missing_ok=True)
+        time.sleep(interval)
+
+
 def agent_alive(th, pid: int, inside: bool = False) -> bool:
     """Whether the host's process `pid` (a PID of the host's own namespace, as the agent writes
     it in a pause marker) lives; over SSH, or with `inside` from the machine (sshd stopped)."""
@@ -924,10 +933,7 @@ def _connection_cut(th, start_cli, sshd_control, tmp: Path, comes_back_after: fl
         # file written again, atomically) and the deploy ends on the one whole new release.
         time.sleep(comes_back_after)
         start(th.name)
-        t0 = time.monotonic()
-        while p.proc.poll() is None and time.monotonic() - t0 < 240:  # the resumed install pauses again
-            marker.unlink(missing_ok=True)
-            time.sleep(0.1)
+        let_go(p, marker, 240, interval=0.1)  # the resumed install pauses again
         r = p.wait(10)
         assert r.code == 0, r.stderr
         res = host_result(r)

@@ -110,23 +110,17 @@ def first_host_unreachable(start_cli, sandbox, host: str, args: tuple[str, ...],
     """`ddtree-ops ARGS` started with `host`'s sshd stopped: once its first try has met a refused
     connection (the connect-retry pause point, so the CLI's start-up time does not count), sshd
     comes back `down_s` later. The result (sshd is started again whatever happens)."""
-    from test_faults import pause_env, wait_paused
+    from test_faults import let_go, pause_env, wait_paused
 
     sandbox.stop_sshd(host)
-    up = False
     try:
         p = start_cli(*args, env={**env, **pause_env("connect-retry", marker)})
         wait_paused(p, marker)
         t0 = time.monotonic()
-        while p.proc.poll() is None and time.monotonic() - t0 < 600:
-            marker.unlink(missing_ok=True)  # each retry pauses there
-            if not up and time.monotonic() - t0 >= down_s:
-                sandbox.start_sshd(host)
-                up = True
-            time.sleep(0.05)
+        let_go(p, marker, down_s)  # each retry pauses there
     finally:
-        if not up:
-            sandbox.start_sshd(host)
+        sandbox.start_sshd(host)
+    let_go(p, marker, 600 - (time.monotonic() - t0))
     return p.wait(30)
 
 

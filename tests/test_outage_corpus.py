@@ -31,6 +31,7 @@ from test_faults import (
     deploy_args,
     host_result,
     journal,
+    let_go,
     lock_holder,
     pause_env,
     rollback_args,
@@ -74,9 +75,7 @@ def _outage_at(th, start_cli, tmp: Path, args: tuple[str, ...], point: str,
     at_pause()
     outage = SshOutage(th.sandbox, th.name).start(OUTAGE_S)  # returns once the run's session is gone
     # Let it go on, also when a retry after the reconnect reaches the same pause point again.
-    while p.proc.poll() is None and time.monotonic() - t0 < 240:
-        marker.unlink(missing_ok=True)
-        time.sleep(0.1)
+    let_go(p, marker, 240 - (time.monotonic() - t0), interval=0.1)
     if p.proc.poll() is None:
         pytest.fail(f"{point}: still running after 240 s:\n{p.stderr()[-3000:]}")
     r = p.wait(10)

@@ -24,6 +24,7 @@ from test_faults import (
     assert_pre_deploy,
     deploy_args,
     host_result,
+    let_go,
     pause_env,
     rollback_args,
     three_files,
@@ -41,18 +42,9 @@ def _status_args(th) -> tuple[str, ...]:
     return ("status", "-i", str(th.inventory), "-l", th.name, "--json")
 
 
-def _let_go(p, marker: Path, seconds: float) -> None:
-    """`seconds` (or until `p` ends) with every pause at `marker` let go at once."""
-    end = time.monotonic() + seconds
-    while p.proc.poll() is None and time.monotonic() < end:
-        marker.unlink(missing_ok=True)
-        time.sleep(0.05)
-
-
-def _through_killed_sessions(th, start_cli, tmp: Path, args: tuple[str, ...]):
+def _through_killed_sessions(th, start_cli, args: tuple[str, ...]):
     """Every sshd session of the host killed for KILLED_S from `args`' first contact on, however
     long the command takes to start; (result, sessions killed)."""
-    tmp.mkdir(parents=True, exist_ok=True)
     outage = SshOutage(th.sandbox, th.name).start(KILLED_S, from_first_contact=True)
     try:
         r = start_cli(*args).wait(240)
@@ -74,14 +66,14 @@ def _through_stopped_sshd(th, start_cli, tmp: Path, args: tuple[str, ...], env: 
     try:
         p = start_cli(*args, env={**(env or {}), **pause_env("connect-retry", marker)})
         wait_paused(p, marker)
-        _let_go(p, marker, STOPPED_S)
+        let_go(p, marker, STOPPED_S)
         assert p.proc.poll() is None or not outlasts, f"gave up while sshd was down:\n{p.stderr()[-2000:]}"
         if not outlasts:
-            _let_go(p, marker, 120)
+            let_go(p, marker, 120)
     finally:
         th.sandbox.start_sshd(th.name)
     back = time.monotonic()
-    _let_go(p, marker, 240)
+    let_go(p, marker, 240)
     r = p.wait(10)
     return r, time.monotonic() - back
 
@@ -92,7 +84,7 @@ def _tries(r) -> int:
 
 def _deploy_killed_then_rollback_stopped(th, start_cli, tmp: Path) -> None:
     ps = three_files(tmp, "K")
-    r, killed = _through_killed_sessions(th, start_cli, tmp / "deploy", deploy_args(th, ps))
+    r, killed = _through_killed_sessions(th, start_cli, deploy_args(th, ps))
     assert r.code == 0, r.stderr[-3000:]
     assert killed > 0 and _tries(r) > 1, (killed, host_result(r))
     assert_on_release(th, ps)
@@ -108,14 +100,14 @@ def _deploy_stopped_then_rollback_killed(th, start_cli, tmp: Path) -> None:
     assert r.code == 0, r.stderr[-3000:]
     assert _tries(r) > 1, host_result(r)
     assert_on_release(th, ps)
-    r, killed = _through_killed_sessions(th, start_cli, tmp / "rollback", rollback_args(th, "--to", "original"))
+    r, killed = _through_killed_sessions(th, start_cli, rollback_args(th, "--to", "original"))
     assert r.code == 0, r.stderr[-3000:]
     assert killed > 0 and _tries(r) > 1, (killed, host_result(r))
     assert_pre_deploy(th)
 
 
 def _status_both_ways(th, start_cli, tmp: Path) -> None:
-    r, killed = _through_killed_sessions(th, start_cli, tmp / "killed", _status_args(th))
+    r, killed = _through_killed_sessions(th, start_cli, _status_args(th))
     assert r.code == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert killed > 0 and _tries(r) > 1 and host_result(r)["reachable"], host_result(r)
     r, _ = _through_stopped_sshd(th, start_cli, tmp / "stopped", _status_args(th))

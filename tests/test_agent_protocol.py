@@ -181,7 +181,9 @@ def test_the_agent_refuses_a_request_it_does_not_know_and_runs_nothing(tmp_path,
 def test_a_well_formed_request_is_answered(tmp_path):
     """Control for the refusals above: the same shape with the right names runs."""
     answer = Agent().handle({"op": "history", "state_dir": str(tmp_path / "state")})
+    busy = answer.pop("busy_s")  # how long it worked: the controller's lease view starts after it
     assert answer == {"ok": True, "result": {"releases": [], "current": None, "original": False}}
+    assert 0 <= busy < 5
 
 
 def test_a_reply_the_controller_reads_is_checked_against_its_class():

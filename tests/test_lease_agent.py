@@ -6,11 +6,14 @@ go; a reconnect of the same operation within the lease takes the lock over witho
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -292,6 +295,54 @@ def test_a_controller_stopped_for_longer_than_the_lease_stops_with_exit_4_sendin
     with pytest.raises(LeaseLost):
         a.reset()  # no reconnect either
     assert chan.sent == sent
+
+
+def test_an_answer_read_after_a_stop_renews_the_lease_only_as_of_its_sending(state, agents):
+    """The cause of a flake in test_lease.py's stopped-controller test: the SIGSTOP came while a
+    heartbeat's renewal was on its way, and its answer, read after SIGCONT, counted as a renewal
+    just then; the controller went on as the holder of a lock the host had let go (exit 4 as
+    "taken by another run" instead of "lease expired"). The answer's result still counts; the
+    next call finds the lease lost and sends nothing."""
+    clock = [100.0]
+    a, = agents(1, lease_s=30.0, renew_s=10.0, clock=lambda: clock[0])
+    assert lock(a, state, "t1")["acquired"]
+    chan = a.conn.channels[-1]
+    read = chan.recv
+
+    def stopped_while_the_answer_comes(n):
+        clock[0] += 31.0  # SIGSTOP after the request went, SIGCONT after the lease
+        chan.recv = read
+        return read(n)
+
+    chan.recv = stopped_while_the_answer_comes
+    assert a.call({"op": "history", "state_dir": state}, 10)["releases"] == []  # the host did answer
+    sent = chan.sent
+    with pytest.raises(LeaseLost):
+        a.call({"op": "history", "state_dir": state}, 10)
+    assert chan.sent == sent
+
+
+def test_an_op_longer_than_the_lease_keeps_it_for_the_controller_too(state, agents, tmp_path, heal_log):
+    """The agent does not count its lease while it works (an install can outlast it): its answer
+    says how long it worked, and the controller's view of the lease starts again from there."""
+    a, = agents(1)
+    assert lock(a, state, "t1")["acquired"]
+    pause = tmp_path / "pause"
+    target = tmp_path / "site" / "mod.py"
+    target.parent.mkdir()
+    data = b"X = 1\n"
+    files = [{"path": str(target), "content_b64": base64.b64encode(data).decode(),
+              "sha256": hashlib.sha256(data).hexdigest()}]
+    gone = threading.Timer(2.5 * LEASE_S, lambda: wait_for(pause.exists, 30) and pause.unlink())
+    gone.start()
+    try:
+        a.call({"op": "install", "state_dir": state, "files": files,
+                "test_pause": {"after": 1, "file": str(pause)}}, 60)
+    finally:
+        gone.join()
+    assert target.read_bytes() == data
+    assert a.call({"op": "history", "state_dir": state}, 10)["releases"] == []  # no LeaseLost
+    assert file_holder(state)["token"] == "t1" and not healed(heal_log)
 
 
 def test_the_heartbeat_itself_notices_a_stopped_controller_and_hangs_up(state, agents):

@@ -201,6 +201,7 @@ class AgentChannel:
     def _exchange(self, request: dict[str, Any], timeout: float, abortable: bool = False) -> dict[str, Any]:
         op = request["op"]
         chan = self._chan
+        sent_at = self.watch.clock()
         try:
             chan.sendall(json.dumps(request).encode() + b"\n")
             deadline = time.monotonic() + timeout
@@ -231,7 +232,7 @@ class AgentChannel:
         del self._buf[:nl + 1]
         self._scanned = 0
         answer = self._parse(op, line)
-        self.watch.answered()
+        self.watch.answered(sent_at + _busy_s(answer))
         return answer
 
     def _line_end(self, op: str, cap: int) -> int:
@@ -339,6 +340,16 @@ def interpreter_missing(status: int, stderr: str) -> bool:
     """Whether an agent that ended with `status` never ran: the login shell could not find (127)
     or execute (126) `agent_python`, or `sudo -n` could not (exit 1, "command not found")."""
     return status in (126, 127) or (status == 1 and stderr.startswith("sudo:") and "command not found" in stderr)
+
+
+def _busy_s(answer: dict[str, Any]) -> float:
+    """How long the agent says it worked on the request (serve.Agent.handle): its lease started
+    again that long after the request arrived. Anything but a number >= 0 counts as 0 (the lease
+    view then starts at the request's sending), and LeaseWatch caps it at now."""
+    busy = answer.get("busy_s")
+    if isinstance(busy, bool) or not isinstance(busy, (int, float)) or not busy >= 0:
+        return 0.0
+    return float(busy)
 
 
 def answer_result(host: str, op: str, answer: dict[str, Any]) -> dict[str, Any]:

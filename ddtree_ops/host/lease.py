@@ -3,11 +3,12 @@
 The agent keeps the deploy lock while it hears from its controller at least every `lease_s`
 (inventory `lock_lease_s`); `Heartbeat` renews it every `renew_s` (`lock_renew_s`) while the
 runbook makes no agent call of its own (a drain, the perf gate, router waits, a long /generate).
-`LeaseWatch` is this controller's conservative view of it: renewed when an answer comes back, and
-lost once no answer came for `lease_s`. That happens when this process was stopped (SIGSTOP, a
-suspended laptop) or cut off from the host that long; the agent has then let the lock go (and the
-host healed itself), so every later call fails at once with LeaseLost (exit 4) and nothing more is
-sent to the host.
+`LeaseWatch` is this controller's conservative view of it: renewed when an answer comes back (as
+of the request's sending plus the time the agent worked on it, so an answer read after a SIGSTOP
+renews nothing past its sending), and lost once no answer came for `lease_s`. That happens when
+this process was stopped (SIGSTOP, a suspended laptop) or cut off from the host that long; the
+agent has then let the lock go (and the host healed itself), so every later call fails at once
+with LeaseLost (exit 4) and nothing more is sent to the host.
 """
 
 from __future__ import annotations
@@ -31,12 +32,17 @@ class LeaseWatch:
     lease_s: float
     renew_s: float
     clock: Callable[[], float] = lease_clock
-    renewed_at: float | None = None  # when the agent last answered (None: no agent yet)
+    renewed_at: float | None = None  # the agent's last renewal, at the earliest (None: no agent yet)
     step: str | None = None  # the journal's step as this run last wrote it
     lost: LeaseLost | None = None
 
-    def answered(self) -> None:
-        self.renewed_at = self.clock()
+    def answered(self, at: float | None = None) -> None:
+        """The agent renewed its lease no earlier than `at` on this clock (None: now), never later
+        than now: an answer read late (this process stopped while it was on its way) renews
+        nothing beyond the time it was sent."""
+        now = self.clock()
+        t = now if at is None else min(at, now)
+        self.renewed_at = t if self.renewed_at is None else max(self.renewed_at, t)
 
     def idle_s(self) -> float:
         return 0.0 if self.renewed_at is None else self.clock() - self.renewed_at

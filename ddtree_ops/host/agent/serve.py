@@ -124,15 +124,21 @@ class Agent:
         self.unit = unit
 
     def handle(self, doc):
-        """A wire request → its wire answer: {"ok": true, "result": ...} or {"ok": false, "error": ...}."""
+        """A wire request → its wire answer: {"ok": true, "result": ...} or {"ok": false, "error": ...},
+        with `busy_s`, the seconds this agent worked on it: its lease starts again when the answer
+        goes, and the controller, which cannot tell when the answer arrived (it may read it after a
+        SIGSTOP), counts its view of the lease from when it sent the request plus `busy_s`."""
         self.lease.renew()
+        started = self.lease.renewed_at
         try:
             result = self._run(decode_request(doc))
-            return {"ok": True, "result": result.to_wire() if isinstance(result, Message) else result}
+            answer = {"ok": True, "result": result.to_wire() if isinstance(result, Message) else result}
         except Exception as e:  # reported to the controller, which decides what it means
-            return {"ok": False, "error": "%s: %s" % (type(e).__name__, e), "errno": getattr(e, "errno", None)}
+            answer = {"ok": False, "error": "%s: %s" % (type(e).__name__, e), "errno": getattr(e, "errno", None)}
         finally:
             self.lease.renew()  # the lease runs down only while the agent waits
+        answer["busy_s"] = round(max(self.lease.renewed_at - started, 0.0), 6)
+        return answer
 
     def _run(self, request):
         if isinstance(request, Hello):

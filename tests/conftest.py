@@ -89,12 +89,15 @@ def _remove_stale_quick_tmp():
 # -- xdist: which work goes to a worker first ---------------------------------------------------------
 # `--dist loadfile` (addopts) keeps a file on one worker, so a file's tests share its module fixtures
 # and sandbox boots are not repeated; but one long file then bounds the whole run, and xdist hands
-# out files by their number of tests, so a file of two long tests came last. Two changes, for
+# out files by their number of tests, so a file of two long tests came last. Three changes, for
 # `--dist loadfile` only (another --dist is xdist's own):
 # - these fast-tier files (no sandbox test, no module- or session-scoped fixture of their own) go out
 #   test by test: their tests are independent fault matrices and real-time waits;
 SPLIT_BY_TEST = ("tests/test_runbook.py", "tests/test_heal_report.py", "tests/test_heal.py",
                  "tests/test_lease_agent.py", "tests/test_bounded_http.py", "tests/test_bundle_hostile.py")
+# - these files go out together, to one worker: each does its process's first meta-device
+#   operation, which imports torch._dynamo (4-6 CPU-s; two workers paid it in every quick loop);
+SAME_WORKER = {"tests/payload/test_tree_step_cpu.py": "tests/payload/test_tree_builder.py"}
 # - work whose node id starts with one of these goes out first, in this order (the longest first;
 #   measured in the quick loop on 2 cores): a wrong or stale entry costs only time.
 LONG_FIRST = (
@@ -125,7 +128,7 @@ def pytest_xdist_make_scheduler(config, log):
     class LongFirstLoadFile(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             file = nodeid.split("::", 1)[0]
-            return nodeid if file in SPLIT_BY_TEST else file
+            return nodeid if file in SPLIT_BY_TEST else SAME_WORKER.get(file, file)
 
         def _assign_work_unit(self, node) -> None:
             if self.workqueue:  # the first of the longest left, else xdist's own order

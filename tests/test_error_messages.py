@@ -119,7 +119,7 @@ def test_a_missing_identity_file_is_refused_before_any_connection(tmp_path):
     key = str(tmp_path / "keys" / "id_ed25519")
     conn = HostConnection(_ssh_host(tmp_path, key))
     tried = []
-    conn._conn.client.connect = lambda **kw: tried.append(kw) or (_ for _ in ()).throw(TimeoutError("timed out"))
+    conn._client.connect = lambda **kw: tried.append(kw) or (_ for _ in ()).throw(TimeoutError("timed out"))
     with pytest.raises(LocalKeyMissing) as e:
         conn.open()
     assert tried == []

@@ -205,7 +205,7 @@ def test_an_authentication_ended_by_a_lost_connection_is_not_a_refusal(tmp_path,
     def fake_connect(**kwargs):
         raise paramiko.AuthenticationException(text)
 
-    conn._conn.client.connect = fake_connect
+    conn._client.connect = fake_connect
     with pytest.raises(UnreachableError) as ei:
         conn.open()
     assert isinstance(ei.value, AuthRefused) is refused, ei.value

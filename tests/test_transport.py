@@ -1,7 +1,7 @@
 """The SSH transport's timeouts (fast tier): `connect_timeout` below one second is honoured.
 
-Fabric's Connection truncates `connect_timeout` to an int (0.5 → 0) and then passes no timeout
-at all; ddtree-ops gives Paramiko the float itself. Only sockets on 127.0.0.1 opened by the test.
+Fabric's Connection (used here before) truncated `connect_timeout` to an int (0.5 → 0) and then
+passed no timeout at all; ddtree-ops gives Paramiko the float itself. Only sockets on 127.0.0.1 opened by the test.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import pytest
 from ddtree_ops.config.inventory import parse_inventory
 from ddtree_ops.errors import UnreachableError
 from ddtree_ops.host.transport import HostConnection, connect_kwargs_for
+from kit import modules_loaded_by
 
 
 def _host(tmp_path, port: int = 22, timeout: float = 0.5):
@@ -29,19 +30,18 @@ def _host(tmp_path, port: int = 22, timeout: float = 0.5):
 
 
 @pytest.mark.parametrize("timeout", [0.5, 1.9, 10])
-def test_the_float_timeout_reaches_paramiko_and_fabric_gets_none(tmp_path, timeout):
+def test_the_float_timeout_reaches_paramiko(tmp_path, timeout):
     h = _host(tmp_path, timeout=timeout)
     kw = connect_kwargs_for(h)
     assert kw["timeout"] == kw["banner_timeout"] == kw["auth_timeout"] == float(timeout)
     conn = HostConnection(h)
-    assert conn._conn.connect_timeout is None  # Fabric's int() never sees it
     seen = {}
 
     def fake_connect(**kwargs):
         seen.update(kwargs)
         raise TimeoutError("timed out")
 
-    conn._conn.client.connect = fake_connect
+    conn._client.connect = fake_connect
     with pytest.raises(UnreachableError, match=f"timed out after {timeout:g} s"):
         conn.open()
     assert (seen["timeout"], seen["banner_timeout"], seen["auth_timeout"]) == (float(timeout),) * 3
@@ -95,3 +95,13 @@ def test_a_tcp_connect_that_hangs_gives_up_after_half_a_second(tmp_path):
     assert isinstance(err, UnreachableError), err
     assert f"connection to 127.0.0.1:{port} timed out after 0.5 s" in str(err)
     assert 0.4 <= took < 2.0, took
+
+
+def test_paramiko_comes_without_invoke_and_invoke_still_imports_afterwards():
+    """host/ssh_lib.py: paramiko.config's `import invoke` (0.12 CPU-s of every CLI start, with
+    unittest.mock) is refused for Paramiko's import only."""
+    assert "invoke" in modules_loaded_by("import paramiko", "invoke")  # the control: Paramiko alone does
+    assert modules_loaded_by("import ddtree_ops.cli.commands, ddtree_ops.host.transport", "invoke",
+                             "unittest.mock", "fabric") == []
+    after = "import ddtree_ops.host.transport, paramiko.config\nassert paramiko.config.invoke is None\nimport invoke"
+    assert "invoke" in modules_loaded_by(after, "invoke")

@@ -14,7 +14,7 @@ about 8 CPU-s. How, offline and in about 15 s:
 * A fresh `python -m venv --without-pip` (no --system-site-packages) gets the wheel with
   `pip --python <fresh> install --no-deps --no-index`, which byte-compiles what it installs, as
   a real install does. Only after checking that `import ddtree_ops` resolves into the fresh
-  site-packages is this venv's site-packages added for the dependencies (fabric, typer, ...):
+  site-packages is this venv's site-packages added for the dependencies (paramiko, typer, ...):
   one line in a .pth file, a plain sys.path entry placed AFTER the fresh site-packages, whose
   own .pth files (among them the editable finder pointing at the checkout) are not processed.
   The check is repeated with the line in place. Every command runs from an unrelated, empty

@@ -1,7 +1,7 @@
-"""SSH to a host over Fabric, with host keys verified and every command quoted.
+"""SSH to a host over Paramiko, with host keys verified and every command quoted.
 
-Fabric 3 uses Paramiko's AutoAddPolicy and loads no known_hosts, i.e. it trusts any key. Here
-the known_hosts file from the inventory is loaded read-only and unknown keys are rejected;
+Paramiko's SSHClient trusts no key by itself (Fabric 3, used here before, set AutoAddPolicy and
+trusted any key). Here the known_hosts file from the inventory is loaded read-only and unknown keys are rejected;
 `accept_new=True` (`--accept-new-host-keys`) records a key for a host that has none, and a
 *changed* key is always refused (Paramiko raises BadHostKeyException before any policy runs).
 
@@ -23,10 +23,9 @@ import time
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-import paramiko
-
 from ..config.inventory import Host
 from ..errors import AuthRefused, HostKeyError, LocalKeyMissing, RemoteCommandError, UnreachableError, reason
+from .ssh_lib import paramiko
 
 
 def shell_join(argv: Sequence[str | int | os.PathLike]) -> str:
@@ -100,29 +99,23 @@ def connect_kwargs_for(host: Host) -> dict:
 
 
 class HostConnection:
-    """One SSH connection to one host; use as a context manager."""
+    """One SSH connection to one host (a Paramiko `SSHClient`); use as a context manager."""
 
     def __init__(self, host: Host, *, accept_new_host_keys: bool = False):
-        from fabric import Config, Connection
-
+        # Paramiko itself, not Fabric's Connection around it: of Fabric this used only the client
+        # it wraps, overrode its host-key policy and its ssh_config loading, and had to keep its
+        # `connect_timeout` away (int() made 0.5 s no timeout at all); importing it (invoke, and
+        # through paramiko.config's `import invoke` unittest.mock) was 0.15 CPU-s of every CLI
+        # start. The timeouts go to Paramiko as floats (connect_kwargs_for).
         self.host = host
         self.accept_new = accept_new_host_keys
-        connect_kwargs = connect_kwargs_for(host)
-        # The timeout goes to Paramiko in connect_kwargs, never as Fabric's `connect_timeout`:
-        # Fabric's Connection.__init__ does `connect_timeout = int(connect_timeout)` (fabric 3.2,
-        # connection.py) and Connection.open passes it on only `if self.connect_timeout`, so 0.5
-        # became 0 and then no timeout at all (and 1.9 became 1). `timeouts.connect: None` keeps
-        # Fabric from setting one of its own, which it would refuse next to ours.
-        self._make = lambda: Connection(
-            host=host.address, user=host.ssh_user, port=host.ssh_port, connect_kwargs=dict(connect_kwargs),
-            config=Config(overrides={"load_ssh_configs": False, "timeouts": {"connect": None}}),
-        )
-        self._conn = self._make()
+        self._connect_kwargs = connect_kwargs_for(host)
+        self._client = paramiko.SSHClient()
 
     # -- connection ----------------------------------------------------------------------------
     def open(self) -> "HostConnection":
         check_identity_file(self.host)
-        client = self._conn.client
+        client = self._client
         kh = self.host.known_hosts
         if os.path.exists(kh):
             client.load_system_host_keys(kh)  # read-only: load_host_keys would write back
@@ -134,7 +127,8 @@ class HostConnection:
         policy = _RecordNewKey(kh, _known_hosts_lock) if self.accept_new else paramiko.RejectPolicy()
         client.set_missing_host_key_policy(policy)
         try:
-            self._conn.open()
+            client.connect(hostname=self.host.address, port=self.host.ssh_port, username=self.host.ssh_user,
+                           **self._connect_kwargs)
         except paramiko.BadHostKeyException as e:
             raise HostKeyError(
                 f"{self.host.name}: the host key of {self.host.address} has CHANGED (got {e.key.get_name()} "
@@ -168,13 +162,13 @@ class HostConnection:
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
-            self._conn.close()
+            self._client.close()
 
     def reconnect(self) -> "HostConnection":
         """A fresh SSH connection in place of a lost one (same host-key checks); every object
         holding this HostConnection uses the new one."""
         self.close()
-        self._conn = self._make()
+        self._client = paramiko.SSHClient()
         return self.open()
 
     def __enter__(self) -> "HostConnection":
@@ -199,7 +193,7 @@ class HostConnection:
         if sudo and self.host.become:
             cmd = "sudo -n -- " + cmd
         try:
-            chan = self._conn.client.get_transport().open_session(timeout=self.host.connect_timeout_s)
+            chan = self._client.get_transport().open_session(timeout=self.host.connect_timeout_s)
             chan.exec_command(cmd)
         except (paramiko.SSHException, OSError, EOFError, AttributeError) as e:
             raise UnreachableError(f"{self.host.name}: connection lost: {reason(e)}") from None
@@ -209,11 +203,11 @@ class HostConnection:
                   stdin: str | bytes | None = None) -> Result:
         """Run an already-quoted command line (build it with shell_join).
 
-        Straight on a Paramiko channel: invoke's stdin pump feeds one byte per 10 ms, which
-        turns a 30 kB request into minutes.
+        Straight on a Paramiko channel: a runner that pumps stdin a byte at a time (Fabric's, through
+        invoke, fed one byte per 10 ms) turns a 30 kB request into minutes.
         """
         try:
-            chan = self._conn.client.get_transport().open_session(timeout=self.host.connect_timeout_s)
+            chan = self._client.get_transport().open_session(timeout=self.host.connect_timeout_s)
         except (paramiko.SSHException, OSError, EOFError, AttributeError) as e:
             raise UnreachableError(f"{self.host.name}: connection lost: {reason(e)}") from None
         out, err = bytearray(), bytearray()

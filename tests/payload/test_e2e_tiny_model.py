@@ -48,6 +48,17 @@ class Tiny(torch.nn.Module):
         return other
 
     def forward(self, tokens, positions, mask):
+        """Logits at every position; rows with the same tokens, positions and mask (3000 trials of
+        one prompt share most of theirs) are computed once: each row's output depends on that row
+        alone, and the batched float64 matmuls were most of the sampled test's time."""
+        bs, T = tokens.shape
+        key = torch.cat([tokens, positions, mask.reshape(bs, T * T).long()], 1)
+        rows, inverse = torch.unique(key, dim=0, return_inverse=True)
+        if len(rows) < bs:
+            return self._forward(rows[:, :T], rows[:, T:2 * T], rows[:, 2 * T:].bool().view(-1, T, T))[inverse]
+        return self._forward(tokens, positions, mask)
+
+    def _forward(self, tokens, positions, mask):
         bs, T = tokens.shape
         x = self.emb[tokens] + self.pos[positions]
         hd = self.d // self.h

@@ -1,8 +1,8 @@
 """SSH to a host over Paramiko, with host keys verified and every command quoted.
 
 Paramiko's SSHClient trusts no key by itself (Fabric 3, used here before, set AutoAddPolicy and
-trusted any key). Here the known_hosts file from the inventory is loaded read-only and unknown keys are rejected;
-`accept_new=True` (`--accept-new-host-keys`) records a key for a host that has none, and a
+trusted any key). Here the known_hosts file from the inventory is loaded read-only and unknown
+keys are rejected; `accept_new=True` (`--accept-new-host-keys`) records a key for a host that has none, and a
 *changed* key is always refused (Paramiko raises BadHostKeyException before any policy runs).
 
 Commands are argv lists joined with `shlex.quote`: no raw value is ever pasted into a shell.
@@ -104,9 +104,9 @@ class HostConnection:
     def __init__(self, host: Host, *, accept_new_host_keys: bool = False):
         # Paramiko itself, not Fabric's Connection around it: of Fabric this used only the client
         # it wraps, overrode its host-key policy and its ssh_config loading, and had to keep its
-        # `connect_timeout` away (int() made 0.5 s no timeout at all); importing it (invoke, and
-        # through paramiko.config's `import invoke` unittest.mock) was 0.15 CPU-s of every CLI
-        # start. The timeouts go to Paramiko as floats (connect_kwargs_for).
+        # `connect_timeout` away (int() made 0.5 s no timeout at all); Fabric and the invoke it
+        # brings were imported by every CLI start for that (ssh_lib.py keeps invoke out too).
+        # The timeouts go to Paramiko as floats (connect_kwargs_for).
         self.host = host
         self.accept_new = accept_new_host_keys
         self._connect_kwargs = connect_kwargs_for(host)

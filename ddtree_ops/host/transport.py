@@ -2,8 +2,9 @@
 
 Paramiko's SSHClient trusts no key by itself (Fabric 3, used here before, set AutoAddPolicy and
 trusted any key). Here the known_hosts file from the inventory is loaded read-only and unknown
-keys are rejected; `accept_new=True` (`--accept-new-host-keys`) records a key for a host that has none, and a
-*changed* key is always refused (Paramiko raises BadHostKeyException before any policy runs).
+keys are rejected; `accept_new=True` (`--accept-new-host-keys`) records a key for a host that has
+none, and a *changed* key is always refused (Paramiko raises BadHostKeyException before any
+policy runs).
 
 Commands are argv lists joined with `shlex.quote`: no raw value is ever pasted into a shell.
 For a non-root `ssh_user`, privileged commands run through `sudo -n` and uploads go to a temp

@@ -1,7 +1,8 @@
 """The SSH transport's timeouts (fast tier): `connect_timeout` below one second is honoured.
 
 Fabric's Connection (used here before) truncated `connect_timeout` to an int (0.5 → 0) and then
-passed no timeout at all; ddtree-ops gives Paramiko the float itself. Only sockets on 127.0.0.1 opened by the test.
+passed no timeout at all; ddtree-ops gives Paramiko the float itself. Only sockets on 127.0.0.1
+opened by the test.
 """
 
 from __future__ import annotations

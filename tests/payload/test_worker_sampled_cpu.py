@@ -98,7 +98,12 @@ def _setting_of(row: dict):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, sglang_overlay):
     """One subprocess: the statistics steps, one step with SGLang's Triton
-    renorm, one step each with the two mutated samplers."""
+    renorm, one step each with the mutated samplers. SGLang's Triton index
+    kernels (cache locations) run in Triton's interpreter in the three smaller
+    steps, each launch compared with their PyTorch versions
+    (``worker_fakes._patch_index_kernels``); the two steps of 257 requests use
+    the PyTorch versions: interpreted, those kernels were about 80 % of this
+    fixture (63 of 76 s under cProfile; the fixture took 90-139 s of a whole run)."""
     code = f"""
     sys.path.insert(0, {str(HERE)!r})
     import worker_fakes  # first: sets TRITON_INTERPRET / SGLANG_NATIVE_MOVE_KV_CACHE
@@ -114,11 +119,11 @@ def runs(tmp_path_factory, sglang_overlay):
         out["sampling"] = sampling
         return out
 
-    OUT["stats"] = [step(seed, {_batch(N_PER_STEP)!r}) for seed in {SEEDS!r}]
-    OUT["triton"] = step(7, {_batch(8)!r}, renorm="triton")
-    OUT["mutant"] = step(8, {_batch(32)!r}, mutation="first_child")
-    OUT["reused_coin"] = step(9, {_batch(64)!r}, mutation="reused_coin")
-    OUT["coin_tree"] = step(10, {_batch(N_PER_STEP)!r}, mutation="coin_tree")
+    OUT["stats"] = [step(seed, {_batch(N_PER_STEP)!r}, index_kernels="torch") for seed in {SEEDS!r}]
+    OUT["triton"] = step(7, {_batch(8)!r}, renorm="triton", index_kernels="checked")
+    OUT["mutant"] = step(8, {_batch(32)!r}, mutation="first_child", index_kernels="checked")
+    OUT["reused_coin"] = step(9, {_batch(64)!r}, mutation="reused_coin", index_kernels="checked")
+    OUT["coin_tree"] = step(10, {_batch(N_PER_STEP)!r}, mutation="coin_tree", index_kernels="torch")
     """
     return run_sglang(code, tmp_path_factory.mktemp("sampled"), sglang_overlay, timeout=600, triton_interpret=True)
 
@@ -223,6 +228,9 @@ def check_step(out: dict) -> None:
     # (test_sampler_inputs_meet_the_cuda_kernel_contract), nothing new
     assert all(v.startswith(KNOWN_VIOLATION) for v in k["contract_violations"]), k["contract_violations"]
     assert [r.split(":")[0] for r in k["renorm"]] == ["top_k", "top_p"]
+    # SGLang's cache-location kernels ran: both, at each of their launch sites (the draft block's
+    # and the verify's locations, the front and accepted slots of the KV move)
+    assert k["index"]["assign_extend_cache_locs"] >= 3 and k["index"]["fill_accept_out_cache_loc"] >= 1, k["index"]
     assert all(exp["walk_valid"]), [b for b, ok in enumerate(exp["walk_valid"]) if not ok]
     check_calls(out)
     check_result(out)
@@ -239,6 +247,14 @@ def test_sampled_step_commits_a_consistent_walk(runs, which):
     outs = runs[which] if which == "stats" else [runs[which]]
     for out in outs:
         check_step(out)
+    for out in outs:  # in the smaller steps, SGLang's Triton index kernels against their PyTorch versions
+        k = out["result"]["kernels"]["index"]
+        if which == "stats":
+            assert not any(":" in name for name in k), k  # the PyTorch versions alone
+        else:
+            assert k["assign_extend_cache_locs:checked"] == k["assign_extend_cache_locs"], k
+            assert k["fill_accept_out_cache_loc:checked"] == k["fill_accept_out_cache_loc"], k
+            assert not any(name.endswith(":differed") for name in k), k
     if which == "triton":  # SGLang's ROCm renorm, interpreted, against the PyTorch one
         k = outs[0]["result"]["kernels"]
         assert k["renorm"] == ["top_k:triton", "top_p:triton"]

@@ -27,10 +27,11 @@ How the kernels run here (this host has no GPU, no ``sgl_kernel`` and is not
 
 * ``TRITON_INTERPRET=1``: SGLang's own Triton kernels (``assign_extend_cache_locs``,
   ``fill_front_out_cache_loc``, ``fill_accept_out_cache_loc``) run unchanged in
-  Triton's CPU interpreter. ``assign_extend_cache_locs_func`` only launches its
-  Triton kernel behind ``_is_cuda or _is_hip or _is_musa or _is_xpu``, so that
-  module's ``_is_xpu`` flag is set (it selects the Triton branch and nothing
-  else in ``cache_locs``).
+  Triton's CPU interpreter (``run_case(index_kernels="torch")``: their PyTorch
+  versions instead, ``"checked"``: both, compared; :func:`_patch_index_kernels`).
+  ``assign_extend_cache_locs_func`` only launches its Triton kernel behind
+  ``_is_cuda or _is_hip or _is_musa or _is_xpu``, so that module's ``_is_xpu``
+  flag is set (it selects the Triton branch and nothing else in ``cache_locs``).
 * ``SGLANG_NATIVE_MOVE_KV_CACHE=1``: the pool's own torch move
   (``move_kv_cache_native``) instead of the pointer-table Triton copy kernel.
 * ``verify_tree_greedy_func`` (CUDA kernel / ``sgl_kernel`` CPU op) is the one
@@ -367,13 +368,90 @@ def _setup_runtime(budget: int, cap: int, block: int, model: str, extra_args=())
     return args
 
 
-def _patch_kernels(no_kv_move: bool):
+def _assign_extend_cache_locs_torch(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc,
+                                    pool_len, bs_upper):
+    """What the Triton kernel ``cache_locs.assign_extend_cache_locs[(bs,)]`` stores, in PyTorch:
+    program i copies row ``req_pool_indices[i]`` of ``req_to_token`` (rows ``pool_len`` apart),
+    columns ``start_offset[i]:end_offset[i]``, to ``out_cache_loc`` after the lengths of the
+    programs before it."""
+    del bs_upper  # the kernel's lane count (a power of two >= bs): no effect on what it stores
+    flat = req_to_token.reshape(-1)
+    at = 0  # the kernel's out_offset: the sum of end - start before this program
+    for row, a, b in zip(req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist(), strict=True):
+        n = max(0, b - a)
+        out_cache_loc[at:at + n] = flat[row * pool_len + a:row * pool_len + a + n]
+        at += b - a
+
+
+def _fill_accept_out_cache_loc_torch(accept_index, out_cache_loc, accept_out_cache_loc, size_upper, *, size):
+    """What ``eagle.fill_accept_out_cache_loc[(size,)]`` stores: program i, when
+    ``accept_index[i] > -1``, writes ``out_cache_loc[accept_index[i]]`` at the number of
+    entries before i that are not -1 (the kernel reads the index tensor as flat memory)."""
+    del size_upper
+    idx = accept_index.reshape(-1)[:size].long()
+    not_minus_one = (idx != -1).long()
+    dst = torch.cumsum(not_minus_one, 0) - not_minus_one
+    take = idx > -1
+    accept_out_cache_loc[dst[take]] = out_cache_loc[idx[take]].to(accept_out_cache_loc.dtype)
+
+
+class _IndexKernel:
+    """Stands where SGLang's module holds a Triton kernel (``kernel[grid](*args)``) and runs the
+    PyTorch version (``index_kernels="torch"``) or the kernel in Triton's interpreter, then the
+    PyTorch version on copies of its arguments, comparing every argument afterwards
+    (``"checked"``). Counts in ``calls``: launches, and those compared that differed."""
+
+    def __init__(self, name, kernel, torch_fn, mode, calls):
+        self.name, self.kernel, self.torch_fn, self.mode, self.calls = name, kernel, torch_fn, mode, calls
+
+    def __getitem__(self, grid):
+        def launch(*args):
+            self.calls[self.name] = self.calls.get(self.name, 0) + 1
+            kw = {"size": grid[0]} if self.torch_fn is _fill_accept_out_cache_loc_torch else {}
+            if self.mode == "torch":
+                return self.torch_fn(*args, **kw)
+            copies = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+            self.kernel[grid](*args)
+            self.torch_fn(*copies, **kw)
+            self.calls[self.name + ":checked"] = self.calls.get(self.name + ":checked", 0) + 1
+            if any(isinstance(a, torch.Tensor) and not torch.equal(a, c) for a, c in zip(args, copies, strict=True)):
+                self.calls[self.name + ":differed"] = self.calls.get(self.name + ":differed", 0) + 1
+        return launch
+
+
+_TRITON_INDEX_KERNELS: dict = {}  # module attribute -> SGLang's Triton kernel, as first imported
+
+
+def _patch_index_kernels(mode: str, calls: dict) -> None:
+    """SGLang's Triton index kernels behind ``assign_extend_cache_locs_func``,
+    ``fill_front_out_cache_loc_func`` and ``fill_accept_out_cache_loc_func``. ``"triton"``:
+    the kernels themselves, in Triton's interpreter. The interpreter runs every program of a
+    launch in Python, ~2 ms each: about 80 % of a 129-request sampled step. ``"torch"``: their
+    PyTorch versions above, with SGLang's wrappers (allocation, dtypes, grids) still its own;
+    ``"checked"``: both, compared at every launch (test_worker_sampled_cpu runs its big
+    statistics steps on ``"torch"`` and its other steps ``"checked"``)."""
+    from sglang.kernels.ops.speculative import cache_locs, eagle
+
+    sites = {(cache_locs, "assign_extend_cache_locs"): _assign_extend_cache_locs_torch,
+             (eagle, "fill_accept_out_cache_loc"): _fill_accept_out_cache_loc_torch}
+    for (module, attr), torch_fn in sites.items():
+        kernel = _TRITON_INDEX_KERNELS.setdefault((module.__name__, attr), getattr(module, attr))
+        if mode == "triton":
+            setattr(module, attr, kernel)
+        elif mode in ("torch", "checked"):
+            setattr(module, attr, _IndexKernel(attr, kernel, torch_fn, mode, calls))
+        else:
+            raise ValueError(mode)
+
+
+def _patch_kernels(no_kv_move: bool, index_kernels: str = "triton", calls: dict | None = None):
     from sglang.kernels.ops.speculative import cache_locs
     from sglang.srt.speculative import eagle_utils, spec_utils
     from sglang.srt.speculative.ddtree_utils import verify_tree_greedy_reference
 
     # assign_extend_cache_locs_func: take its Triton branch (TRITON_INTERPRET runs it).
     cache_locs._is_xpu = True
+    _patch_index_kernels(index_kernels, calls if calls is not None else {})
 
     # The CUDA kernel / sgl_kernel CPU op behind eagle_sample's greedy verify is
     # not on this host: the payload's PyTorch reference, same in-place outputs.
@@ -712,7 +790,7 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
              sampling=None, bonus=None, mutation: str | None = None, renorm: str = "torch",
              req_kwargs=None, extra_args=(), worker_mutation: str | None = None,
              grammar_probe: bool = False, verify_mask_bs: int = 0, graph_bs=(),
-             profile: bool = False) -> dict:
+             profile: bool = False, index_kernels: str = "triton") -> dict:
     """Build pools, batch and worker, run one ``ddtree_decode``; return what the
     test checks (plain lists) and the reference's expectations.
 
@@ -740,14 +818,16 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
     "captured" for those batch sizes with :class:`launch_count.ReplayedCall`;
     ``profile``: the step runs under torch's profiler and
     ``result["launches"]`` counts the tree work's launches
-    (``launch_count.count_launches``)."""
+    (``launch_count.count_launches``). ``index_kernels``: how SGLang's Triton
+    index kernels run (:func:`_patch_index_kernels`; their launches, and the
+    compared ones that differed, in ``result["kernels"]["index"]``)."""
     server_args = _setup_runtime(budget, cap, block, model, extra_args)
     req_kwargs = [dict(k) for k in req_kwargs] if req_kwargs is not None else [{} for _ in prefixes]
-    _patch_kernels(no_kv_move)
+    kernel_calls = {"greedy_verify": 0, "tree_sampling": 0, "index": {}}
+    _patch_kernels(no_kv_move, index_kernels, kernel_calls["index"])
     bs = len(prefixes)
     sampling = [dict(s) for s in sampling] if sampling is not None else [{} for _ in range(bs)]
     spread = [float(s.get("temperature", 0.0)) > 0 for s in sampling]
-    kernel_calls = {"greedy_verify": 0, "tree_sampling": 0}
     if any(spread):
         _patch_sampling(mutation, renorm, kernel_calls)
     from sglang.srt.speculative import eagle_utils

@@ -26,6 +26,7 @@ from ddtree_ops.host.agent.lock import LOCK_FILE, lock_facts
 from ddtree_ops.host.agent.serve import READER, UNIT_LAUNCH
 from ddtree_ops.host.agent.statedir import ensure_state_dir
 from ddtree_ops.host.agent_source import agent_source
+from ddtree_ops.host.lease import lease_lost_message
 from ddtree_ops.host.release_store import ReleaseStore
 from ddtree_ops.testing.local_agent import agent_pid, hang_up, healed, local_agent
 
@@ -255,6 +256,16 @@ def test_a_reconnect_after_the_lease_ran_out_finds_it_lost_and_stops_with_exit_4
     with pytest.raises(LeaseLost):  # lost for good: nothing more goes to the host
         a.call({"op": "history", "state_dir": state}, 10)
     assert a.conn.channels[-1].sent == sent
+
+
+def test_a_lease_found_lost_while_the_host_still_heals_says_so_not_that_nothing_was_undone():
+    """agent/lease.py writes `healing` before it heals and `heal` (None: no journal) after; a
+    reconnect in between read the first as "nothing to undo"."""
+    base = {"lease_expired": True, "lost_at_step": "wait for weights"}
+    during = lease_lost_message("h1", LEASE_S, None, "its lease ran out", dict(base, healing=True))
+    assert "is healing it now" in during and "nothing to undo" not in during, during
+    after = lease_lost_message("h1", LEASE_S, None, "its lease ran out", dict(base, healing=False, heal=None))
+    assert "had nothing to undo" in after, after
 
 
 # -- the controller's side -------------------------------------------------------------------------

@@ -91,6 +91,9 @@ def lease_lost_message(host: str, lease_s: float, step: str | None, why: str,
 def _what_the_host_did(holder: dict[str, Any] | None) -> str:
     if not holder or not holder.get("lease_expired"):
         return "The host rolls itself back if this run had changed it, or is left as it was."
+    if holder.get("healing"):  # the agent that lost the lease still holds the lock while it heals
+        return ("The host's agent is healing it now: it undoes what this run changed, if anything, and then "
+                "lets the lock go.")
     heal = holder.get("heal")
     if heal is None:
         return "The host had nothing to undo and was left as it was."

@@ -17,6 +17,7 @@ load (ddtree_ops/testing/standin/timeline.py, STANDIN_NICE), and this test check
 from __future__ import annotations
 
 import multiprocessing
+import os
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -26,6 +27,7 @@ import yaml
 from ddtree_ops.config.workload_settings import Workload
 from ddtree_ops.gates.workload import Measurement, measure
 from ddtree_ops.host.http import http_client
+from ddtree_ops.testing.standin.timeline import STANDIN_NICE
 from kit import busy_loops, make_patchset, run_cli, upstream_file, write_inventory
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,6 +50,11 @@ SIDE_BY_SIDE = Workload(concurrency=GATE["concurrency"], duration_s=GATE["durati
 
 
 def _measure(host) -> Measurement:
+    # At the stand-ins' priority (standin/timeline.py STANDIN_NICE): this compares the two servers,
+    # not how soon a client starved by the busy loops and the suite's other workers reads them. At
+    # nice 0 a fresh clone read 319 against 334 tok/s: 24-token requests whose first token took
+    # 90 and 43 ms, the client's wait, which hid the release's shorter decode.
+    os.setpriority(os.PRIO_PROCESS, 0, STANDIN_NICE)
     with http_client(host) as client:
         return measure(client, SIDE_BY_SIDE)
 

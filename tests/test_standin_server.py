@@ -806,8 +806,7 @@ def test_metrics_histograms_count_served_requests(spawn):
     # three that did not wait to be under 0.1 s (a 0.03 s prefill), which one missed at a load of 9
     # on 2 cores: a bound on wall time that no server clock gives.
     assert _sample(m, f"{ttft}_bucket", is_streaming="false", le="0.2") <= 3
-    assert _sample(m, f"{ttft}_sum", is_streaming="false") >= 4 * 0.03 + 159 / 400
-    assert _sample(m, f"{ttft}_sum", is_streaming="false") > 0.35
+    assert _sample(m, f"{ttft}_sum", is_streaming="false") >= 4 * 0.03 + 159 / 400  # so above 0.35 too
 
 
 def test_startup_phase_lines_in_sglang_order_with_cuda_graph_knob(spawn, tmp_path):

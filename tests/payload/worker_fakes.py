@@ -368,27 +368,28 @@ def _setup_runtime(budget: int, cap: int, block: int, model: str, extra_args=())
     return args
 
 
-def _assign_extend_cache_locs_torch(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc,
+def _assign_extend_cache_locs_torch(grid, req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc,
                                     pool_len, bs_upper):
-    """What the Triton kernel ``cache_locs.assign_extend_cache_locs[(bs,)]`` stores, in PyTorch:
-    program i copies row ``req_pool_indices[i]`` of ``req_to_token`` (rows ``pool_len`` apart),
-    columns ``start_offset[i]:end_offset[i]``, to ``out_cache_loc`` after the lengths of the
-    programs before it."""
+    """What the Triton kernel ``cache_locs.assign_extend_cache_locs[grid]`` stores, in PyTorch:
+    program i < grid[0] copies row ``req_pool_indices[i]`` of ``req_to_token`` (rows ``pool_len``
+    apart), columns ``start_offset[i]:end_offset[i]``, to ``out_cache_loc`` after the lengths of
+    the programs before it."""
     del bs_upper  # the kernel's lane count (a power of two >= bs): no effect on what it stores
-    flat = req_to_token.reshape(-1)
+    flat, n_programs = req_to_token.reshape(-1), grid[0]
     at = 0  # the kernel's out_offset: the sum of end - start before this program
-    for row, a, b in zip(req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist(), strict=True):
+    for row, a, b in zip(req_pool_indices[:n_programs].tolist(), start_offset[:n_programs].tolist(),
+                         end_offset[:n_programs].tolist(), strict=True):
         n = max(0, b - a)
         out_cache_loc[at:at + n] = flat[row * pool_len + a:row * pool_len + a + n]
         at += b - a
 
 
-def _fill_accept_out_cache_loc_torch(accept_index, out_cache_loc, accept_out_cache_loc, size_upper, *, size):
-    """What ``eagle.fill_accept_out_cache_loc[(size,)]`` stores: program i, when
+def _fill_accept_out_cache_loc_torch(grid, accept_index, out_cache_loc, accept_out_cache_loc, size_upper):
+    """What ``eagle.fill_accept_out_cache_loc[grid]`` stores: program i < grid[0], when
     ``accept_index[i] > -1``, writes ``out_cache_loc[accept_index[i]]`` at the number of
     entries before i that are not -1 (the kernel reads the index tensor as flat memory)."""
     del size_upper
-    idx = accept_index.reshape(-1)[:size].long()
+    idx = accept_index.reshape(-1)[:grid[0]].long()
     not_minus_one = (idx != -1).long()
     dst = torch.cumsum(not_minus_one, 0) - not_minus_one
     take = idx > -1
@@ -407,12 +408,11 @@ class _IndexKernel:
     def __getitem__(self, grid):
         def launch(*args):
             self.calls[self.name] = self.calls.get(self.name, 0) + 1
-            kw = {"size": grid[0]} if self.torch_fn is _fill_accept_out_cache_loc_torch else {}
             if self.mode == "torch":
-                return self.torch_fn(*args, **kw)
+                return self.torch_fn(grid, *args)
             copies = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
             self.kernel[grid](*args)
-            self.torch_fn(*copies, **kw)
+            self.torch_fn(grid, *copies)
             self.calls[self.name + ":checked"] = self.calls.get(self.name + ":checked", 0) + 1
             if any(isinstance(a, torch.Tensor) and not torch.equal(a, c) for a, c in zip(args, copies, strict=True)):
                 self.calls[self.name + ":differed"] = self.calls.get(self.name + ":differed", 0) + 1

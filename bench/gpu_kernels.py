@@ -30,9 +30,11 @@ Steps (each one recorded as ok / failed (with its error) / skipped (with why)):
    the top-k/top-p restriction, builder, retrieve, positions and the mask's
    tree window written into a persistent buffer) captured per batch size
    (1, 2, 4, 8) under sync-debug "error", replayed for full and padded batches
-   of mixed greedy / sampled rows and run eagerly past the largest graph; all
-   outputs and the mask window equal to the eager function's; replay vs eager
-   timed with CUDA events.
+   of mixed greedy / sampled rows and run eagerly past the largest graph (bs 11,
+   its fresh mask sized from a host copy of the lengths taken before the checked
+   region; on CPU the same regions refuse every host read, ``sync_checked``);
+   all outputs and the mask window equal to the eager function's; replay vs
+   eager timed with CUDA events.
 2. ``timing``: build + retrieve at bs 32, budget 64, depth 15, vocab 151,936 via
    CUDA-graph replay timed with CUDA events, with and without the per-depth top-k
    from the logits, beside the paper's heap (``heap_build`` from
@@ -339,6 +341,88 @@ OUT_NAMES = ("tokens", "parents", "depths", "scores", "retrive_index", "retrive_
              "retrive_next_sibling", "positions", "tree_mask")
 
 
+class HostReadError(RuntimeError):
+    """A device value read on the host inside a checked region (a host sync on CUDA)."""
+
+
+# What reads a device value on the host (each one a host sync on CUDA): a scalar out of a tensor
+# (.item(), int(t), bool(t), float(t), `if t:`), a result whose size depends on the values
+# (nonzero, masked_select, boolean indexing, unique, bincount, repeat_interleave), and a value
+# compare that answers on the host (torch.equal).
+_HOST_READ_OPS = frozenset({
+    "_local_scalar_dense", "item", "is_nonzero", "equal", "nonzero", "nonzero_static", "argwhere",
+    "masked_select", "unique", "_unique", "_unique2", "unique_dim", "unique_consecutive", "bincount",
+    "repeat_interleave",
+})
+_HOST_READ_METHODS = ("tolist", "numpy", "item", "cpu")
+
+
+def _reads_by_mask(func, args) -> bool:
+    """Indexing with a bool/uint8 mask: the selection's size is read on the host."""
+    if func.overloadpacket.__name__ not in ("index", "index_put", "index_put_"):
+        return False
+    indices = args[1] if len(args) > 1 else ()
+    return any(isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8) for t in indices or ())
+
+
+class _CpuHostReadGuard:
+    """The CPU run's sync-debug "error": nothing syncs on a CPU, so these modes refuse the reads
+    that would sync on a GPU, and a CPU run catches a helper that would trip the GPU check."""
+
+    def __enter__(self):
+        from torch.overrides import TorchFunctionMode
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Dispatch(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.overloadpacket.__name__
+                if name in _HOST_READ_OPS or _reads_by_mask(func, args):
+                    raise HostReadError(f"aten.{name} reads a device value on the host in a checked region")
+                return func(*args, **(kwargs or {}))
+
+        class Function(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                name = getattr(func, "__name__", "")
+                if name in _HOST_READ_METHODS and getattr(func, "__objclass__", None) is not None:
+                    raise HostReadError(f"Tensor.{name}() reads a device value on the host in a checked region")
+                return func(*args, **(kwargs or {}))
+
+        self._modes = [Function(), Dispatch()]
+        for m in self._modes:
+            m.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        for m in reversed(self._modes):
+            m.__exit__(*exc)
+        return False
+
+
+class sync_checked:
+    """A region in which reading a device value on the host is an error: CUDA's sync-debug
+    "error" mode on a GPU, `_CpuHostReadGuard` on a CPU. Whatever the region needs from the
+    host (a size, a count) is read before it starts."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self._guard = None
+
+    def __enter__(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        else:
+            self._guard = _CpuHostReadGuard().__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            torch.cuda.set_sync_debug_mode(0)
+        else:
+            self._guard.__exit__(*exc)
+        return False
+
+
 def count_sync_warnings(fn):
     """Run ``fn`` under sync-debug "warn"; returns (result, number of host-sync
     warnings, the first one's text)."""
@@ -462,6 +546,11 @@ class _EagerUnit:
         self.body()
 
 
+def oversize_mask_numel(prefix_lens: list, W: int) -> int:
+    """The verify mask's size for a batch: each row's window is W * (prefix + W)."""
+    return sum(W * (int(p) + W) for p in prefix_lens)
+
+
 def step_tree_step_unit(device, budget, cap, depth, vocab, seed, cuda: bool):
     """The worker's per-step tree unit as it runs in the server: the real
     ``DDTreeStepRunner`` captures ``ddtree_tree_step`` (support restriction,
@@ -488,29 +577,20 @@ def step_tree_step_unit(device, budget, cap, depth, vocab, seed, cuda: bool):
         return top_lp, top_ids, top_k, top_p, bonus, prefix
 
     def eager(args):
-        bs = args[0].shape[0]
-        mask = torch.zeros(int(W * args[5].sum()) + bs * W * W, dtype=torch.uint8, device=device)
+        mask = torch.zeros(oversize_mask_numel(args[5].tolist(), W), dtype=torch.uint8, device=device)
         return ddtree_verify.ddtree_tree_step(*args, mask, budget, cap), mask
 
     eager(inputs(2))  # the builder's per-shape plan, cached before any capture
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-    try:
+    with sync_checked(cuda):
         runner.capture(sizes, ddtree_step.cuda_graph_factory() if cuda else _EagerUnit)
-    finally:
-        if cuda:
-            torch.cuda.set_sync_debug_mode(0)
     checks = []
     for bs in (8, 3, 1, 6, 11):
         args = inputs(bs)
-        if cuda:
-            torch.cuda.set_sync_debug_mode("error")
-        try:
-            out, mask = runner.run(*args, mask_numel=lambda a=args: int(W * a[5].sum()) + a[0].shape[0] * W * W)
-        finally:
-            if cuda:
-                torch.cuda.set_sync_debug_mode(0)
+        # The over-size batch's mask is sized from the host's copy of the lengths, read here as
+        # the scheduler has them on the host, not from the device tensor inside the region.
+        numel = oversize_mask_numel(args[5].tolist(), W)
+        with sync_checked(cuda):
+            out, mask = runner.run(*args, mask_numel=lambda n=numel: n)
         want, want_mask = eager(args)
         idx = du.ddtree_window_mask_index(args[5], W)
         equal = {name: bool(torch.equal(a, b)) for name, a, b in zip(out._fields, out, want, strict=True)}

@@ -151,6 +151,52 @@ def test_smoke_gpu_parts_skipped(smoke):
     assert steps["kernel_build"]["carry_missing"]  # the carry given does not exist
 
 
+def test_the_smoke_runs_the_tree_step_unit_past_its_graphs_inside_a_checked_region(smoke):
+    for name in ("tree_step_unit_b16", "tree_step_unit_b64"):
+        step = smoke[0]["steps"][name]
+        assert step["status"] == "ok", step
+        assert any(c["graph_bs"] is None for c in step["checks"]), step["checks"]  # bs 11, eager
+        assert all(all(c["equal"].values()) for c in step["checks"]), step["checks"]
+
+
+def test_a_checked_region_refuses_each_host_read_and_runs_device_work(gk):
+    t = torch.arange(6)
+    reads = {"int()": lambda: int(t.sum()), "item": lambda: t.sum().item(), "tolist": t.tolist,
+             "bool()": lambda: bool(t[0]), "nonzero": t.nonzero, "a mask index": lambda: t[t > 2],
+             "equal": lambda: torch.equal(t, t), "cpu": t.cpu, "numpy": t.numpy}
+    for name, read in reads.items():
+        with pytest.raises(gk.HostReadError), gk.sync_checked(cuda=False):
+            read()
+            pytest.fail(f"{name} read a value inside the region")
+    with gk.sync_checked(cuda=False):  # work that stays on the device passes
+        y = torch.topk(t.float() * 2, 3).indices + t[torch.tensor([1, 2])].sum()
+    assert y.tolist() == [8, 7, 6]
+
+
+def test_the_tree_step_units_over_size_mask_is_sized_before_its_checked_region(gk):
+    """2.1's helper read the device lengths inside the region (a false failure on the GPU at
+    batch 11, above the largest graph); the size now comes from a host copy taken before."""
+    from sglang.srt.speculative import ddtree_step
+
+    W, bs = 17, 3
+    runner = ddtree_step.DDTreeStepRunner(budget=W - 1, topk_cap=4, draft_len=5, device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    top_lp, top_ids = torch.topk(torch.log_softmax(torch.randn(bs, 5, 64, generator=gen), -1), 4, dim=-1)
+    args = (top_lp, top_ids, torch.ones(bs, dtype=torch.long), torch.ones(bs),
+            torch.randint(0, 64, (bs,), generator=gen), torch.tensor([5, 9, 2]))
+
+    def old_helper():
+        return int(W * args[5].sum()) + args[0].shape[0] * W * W
+
+    with pytest.raises(gk.HostReadError), gk.sync_checked(cuda=False):
+        runner.run(*args, mask_numel=old_helper)
+    numel = gk.oversize_mask_numel(args[5].tolist(), W)
+    assert numel == old_helper()
+    with gk.sync_checked(cuda=False):
+        _, mask = runner.run(*args, mask_numel=lambda: numel)
+    assert mask.numel() == numel
+
+
 def test_compare_logic_with_standin_kernels(gk):
     cpu = torch.device("cpu")
     specs = gk.random_case_specs(10, seed=3, big_vocab=gk.VOCAB, smoke=True)

@@ -111,6 +111,24 @@ def test_a_batch_past_the_largest_graph_runs_eagerly_into_a_fresh_mask(step_mod,
     assert all(g.replays == 0 for g in runner._graphs.values())
 
 
+def mask_dtypes(runner) -> set:
+    """The verify mask's dtype at each batch size: from graphs, padded, eager in the buffer and
+    past the largest graph (a fresh mask). Triton compiles a kernel per pointer dtype, so two
+    dtypes here would be a second attention compile while serving."""
+    return {run(runner, inputs(bs, 40 + bs))[1].dtype for bs in (1, 3, 4, 6)}
+
+
+def test_every_batch_size_gets_the_buffers_mask_dtype(step_mod):
+    ds, _ = step_mod
+    runner, buffer = make_runner(step_mod)
+    assert mask_dtypes(runner) == {buffer.dtype} == {ds.MASK_DTYPE}
+    bare = ds.DDTreeStepRunner(budget=BUDGET, topk_cap=CAP, draft_len=L, device="cpu")
+    assert mask_dtypes(bare) == {ds.MASK_DTYPE}  # no buffer (no graphs): still the backend's dtype
+    # Control: 2.1's over-size mask, torch.bool beside the uint8 buffer, is seen.
+    runner.mask_dtype = torch.bool
+    assert mask_dtypes(runner) == {torch.uint8, torch.bool}
+
+
 def test_padding_rows_write_after_the_real_rows_inside_the_buffer(step_mod, du):
     runner, buffer = make_runner(step_mod)
     run(runner, inputs(4, 11))  # stale rows in the static buffers

@@ -22,6 +22,12 @@ import torch
 
 from sglang.srt.speculative.ddtree_verify import DDTreeStepOut, ddtree_tree_step
 
+# The verify mask's dtype at every batch size: the triton backend's persistent
+# buffer is uint8, and Triton specializes a kernel on its pointers' dtypes, so
+# an over-size batch in another dtype would compile the attention kernels again,
+# while serving, on every rank.
+MASK_DTYPE = torch.uint8
+
 
 class DDTreeStepRunner:
     """Runs :func:`ddtree_tree_step` for a batch: replayed from a graph captured
@@ -30,7 +36,8 @@ class DDTreeStepRunner:
     ``mask_buffer``: the target attention backend's persistent verify-mask
     buffer (FULL_MASK layout, ``max_bs`` requests at the longest context), or
     ``None``. Captured graphs write into it; an eager batch writes into it when
-    it holds ``mask_bs_limit`` requests or fewer, else into a fresh buffer.
+    it holds ``mask_bs_limit`` requests or fewer, else into a fresh buffer of
+    the same dtype (:data:`MASK_DTYPE` without a buffer).
     ``graph_factory``: makes a graph object with ``capture(fn)`` / ``replay()``
     (:class:`CudaGraphUnit` on CUDA; the tests pass a CPU stand-in)."""
 
@@ -50,6 +57,7 @@ class DDTreeStepRunner:
         self.width = self.budget + 1
         self.device = torch.device(device)
         self.mask_buffer = mask_buffer
+        self.mask_dtype = mask_buffer.dtype if mask_buffer is not None else MASK_DTYPE
         self.mask_bs_limit = int(mask_bs_limit) if mask_buffer is not None else 0
         self.capture_bs: list = []
         self._graphs: dict = {}
@@ -155,7 +163,7 @@ class DDTreeStepRunner:
         if self.mask_buffer is not None and bs <= self.mask_bs_limit:
             mask = self.mask_buffer
         else:
-            mask = torch.empty((int(mask_numel()),), dtype=torch.bool, device=self.device)
+            mask = torch.empty((int(mask_numel()),), dtype=self.mask_dtype, device=self.device)
         out = ddtree_tree_step(top_lp, top_ids, top_k, top_p, bonus, prefix_lens, mask,
                                self.budget, self.topk_cap)
         return out, mask

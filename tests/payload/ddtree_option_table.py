@@ -489,7 +489,9 @@ SCHEDULER_REQUEST = {
     "return_routed_experts": _NEEDS_CAPTURE, "routed_experts_start_len": _NEEDS_CAPTURE,
     "return_indexer_topk": _NEEDS_CAPTURE,
     "lora_id": (NO_EFFECT, "LoRA is refused at parse; 0.5.23's tokenizer refuses an adapter request", ""),
-    "custom_logit_processor": (SERVED, "applied to the tree rows", _CLP),
+    "custom_logit_processor": (SERVED, "applied to the tree rows; one whose code reads the request's history "
+                               "(custom_params['__req__']) is refused per request, as is one that cannot be loaded",
+                               _CLP + ", " + _REQ),
     "bootstrap_host": _DISAGG, "bootstrap_port": _DISAGG, "bootstrap_room": _DISAGG,
     "bootstrap_pair_key": _DISAGG, "decode_tp_size": _DISAGG, "disagg_prefill_dp_rank": _DISAGG,
     "pp_prefetch_ticketed": _DISAGG,

@@ -98,7 +98,13 @@ REQUEST_CASES = {
                 {}, ()),
     "grammar": ({"json_schema": '{"type": "object"}'}, {}, ()),
     "logprobs": ({}, {"return_logprob": True, "top_logprobs_num": 3, "token_ids_logprob": [4]}, ()),
-    "custom_logit_processor": ({}, {"custom_logit_processor": "{}"}, ()),
+    # "@Name": SGLang's own processor class of that name, serialized as a client sends it (make_req)
+    "custom_logit_processor": ({}, {"custom_logit_processor": "@DisallowedTokensLogitsProcessor"}, ()),
+    "history_logit_processor": ({}, {"custom_logit_processor": "@Qwen3ThinkingBudgetLogitProcessor"},
+                                ("custom_logit_processor Qwen3ThinkingBudgetLogitProcessor", "'__req__'",
+                                 "its own path")),
+    "unloadable_logit_processor": ({}, {"custom_logit_processor": "{}"},
+                                   ("custom_logit_processor: it could not be loaded",)),
     "sampling_mask": ({"top_k": 4}, {"return_sampling_mask": True}, ()),
     "neutral_penalties": ({"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
                            "repetition_penalty": 1.0, "min_new_tokens": 0}, {}, ()),
@@ -173,7 +179,12 @@ for name, extra in {"default": [], "deterministic": ["--enable-deterministic-inf
 
 tokenizer = types.SimpleNamespace(encode=lambda s, add_special_tokens=False: [1])
 
+from sglang.srt.sampling import custom_logit_processor as clp
+
 def make_req(sp_kwargs, req_kwargs):
+    processor = req_kwargs.get("custom_logit_processor") or ""
+    if processor.startswith("@"):
+        req_kwargs = {**req_kwargs, "custom_logit_processor": getattr(clp, processor[1:]).to_str()}
     sp = SamplingParams(**sp_kwargs)
     sp.normalize(tokenizer)
     return Req("r", "", array("q", [5, 6, 7]), sp, eos_token_ids={2}, vocab_size=1000, **req_kwargs)

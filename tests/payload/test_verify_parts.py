@@ -198,3 +198,50 @@ def test_verify_tensors_are_contiguous_as_sglangs_kernels_require(dv):
                     ("draft_token", plan.draft_token), ("positions", plan.positions),
                     ("custom_mask", plan.custom_mask)]:
         assert t.is_contiguous(), name
+
+
+# -- custom logit processors that read the request's history ---------------------------------------
+
+
+class _Base:  # stands in for CustomLogitProcessor: what a subclass inherits is read too
+    def __call__(self, logits, custom_param_list=None):
+        return logits
+
+
+class _BansATokenProcessor(_Base):
+    def __call__(self, logits, custom_param_list=None):
+        logits[..., custom_param_list[0]["token_ids"]] = -float("inf")
+        return logits
+
+
+class _ThinkingBudgetLike(_Base):
+    def __call__(self, logits, custom_param_list=None):
+        for i, params in enumerate(custom_param_list):
+            if len(params.get("__req__").output_ids) > params["budget"]:
+                logits[i] = 0.0
+        return logits
+
+
+class _HistoryInANestedHelper(_Base):
+    def __call__(self, logits, custom_param_list=None):
+        def seen(p):
+            return p["r"].origin_input_ids
+
+        return logits if not custom_param_list else logits + 0 * len(seen(custom_param_list[0]))
+
+
+class _HistoryInAnInheritedHelper(_ThinkingBudgetLike):
+    pass
+
+
+class _HistoryInAProperty(_Base):
+    @property
+    def fill(self):
+        return self.req.fill_ids
+
+
+def test_a_processor_is_history_reading_when_its_code_names_the_request_or_its_tokens(da):
+    assert not da.reads_request_history(_BansATokenProcessor)
+    for cls in (_ThinkingBudgetLike, _HistoryInANestedHelper, _HistoryInAnInheritedHelper, _HistoryInAProperty):
+        assert da.reads_request_history(cls), cls.__name__
+

@@ -7,12 +7,14 @@ every option the tree verify cannot serve is refused here, at parse time, with
 a message naming the option and what to use instead. A server that starts
 with DDTREE therefore always verifies trees; there is no silent fallback.
 Requests asking for what the tree step does not apply (min_p, penalties,
-min_new_tokens, hidden states) are refused at admission with a message for the
-client (``ddtree_request_refusal``, called from the patched
+min_new_tokens, hidden states, a custom logit processor that reads the
+request's history) are refused at admission with a message for the client (``ddtree_request_refusal``, called from the patched
 ``validate_dflash_request``).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 DDTREE = "DDTREE"
 DEFAULT_BUDGET = 64
@@ -324,14 +326,83 @@ _REQUEST_REFUSALS = (
 )
 
 
+# How a custom logit processor reaches a request's history: SGLang puts the
+# request itself into each row's params under "__req__" (Req.__init__), and
+# the history is its token lists. The tree step hands every tree row the same
+# params (apply_custom_logit_processor, as DFLASH does for its block rows), so
+# a processor that reads them sees the root's history on a node at depth >= 1,
+# not the node's own path: a silently wrong distribution.
+_HISTORY_KEY = "__req__"
+_HISTORY_ATTRS = frozenset({"output_ids", "origin_input_ids", "fill_ids"})
+
+
+def _code_objects(obj):
+    fn = getattr(obj, "__func__", obj)  # classmethod / staticmethod
+    if isinstance(obj, property):
+        for part in (obj.fget, obj.fset, obj.fdel):
+            if part is not None:
+                yield from _code_objects(part)
+        return
+    code = getattr(fn, "__code__", None)
+    stack = [code] if code is not None else []
+    while stack:
+        c = stack.pop()
+        yield c
+        stack.extend(k for k in c.co_consts if hasattr(k, "co_consts"))
+
+
+def reads_request_history(processor_cls) -> bool:
+    """Whether a custom logit processor class can see the request's history: its
+    code (every method of its own and of its bases, nested functions included)
+    names the ``"__req__"`` entry or a history attribute (``output_ids``, ...).
+    A processor that names neither cannot reach the history."""
+    for klass in getattr(processor_cls, "__mro__", (processor_cls,)):
+        if klass is object or klass.__module__ == "abc":
+            continue
+        for value in vars(klass).values():
+            for code in _code_objects(value):
+                if _HISTORY_KEY in code.co_consts or _HISTORY_ATTRS & set(code.co_names):
+                    return True
+    return False
+
+
+def _custom_processor_refusal(serialized) -> Optional[str]:
+    """Why the request's custom logit processor cannot run on the tree, or None.
+    SGLang loads it the same way when it applies it (a server runs these only
+    with --enable-custom-logit-processor)."""
+    try:
+        from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
+
+        processor_cls = type(CustomLogitProcessor.from_str(serialized))
+    except Exception as exc:  # noqa: BLE001 - named for the client, never served unchecked
+        return (
+            f"custom_logit_processor: it could not be loaded to check what it reads "
+            f"({type(exc).__name__}: {exc})"
+        )
+    if reads_request_history(processor_cls):
+        return (
+            f"custom_logit_processor {processor_cls.__name__}: it reads the request's history "
+            f"(custom_params[{_HISTORY_KEY!r}]), and every tree row would see the root's "
+            "history instead of its own path, wrong from depth 1 on"
+        )
+    return None
+
+
 def ddtree_request_refusal(req):
     """Why a DDTREE server cannot serve this request (a message for the client),
-    or None. Reads plain attributes of a scheduler ``Req``; stdlib only."""
+    or None. Reads plain attributes of a scheduler ``Req``; stdlib only, but
+    for a request with a custom logit processor, which is loaded to see what
+    it reads (SGLang's own loader)."""
     sp = getattr(req, "sampling_params", None)
     why = []
     for name, asked, reason in _REQUEST_REFUSALS:
         if sp is not None and asked(sp):
             why.append(f"{name}={getattr(sp, name)!r}: {reason}")
+    processor = getattr(req, "custom_logit_processor", None)
+    if processor is not None:
+        refused = _custom_processor_refusal(processor)
+        if refused is not None:
+            why.append(refused)
     if getattr(req, "return_hidden_states", False):
         why.append(
             "return_hidden_states: the tree step keeps the verified nodes' hidden states only "

@@ -638,6 +638,9 @@ def _build_worker_cls() -> type:
                 )
             # Custom logit processors see every tree row, as DFLASH applies them
             # to every block row in its verify (eagle_sample does not apply them).
+            # Each row gets its request's params, so one that reads the request's
+            # history would see the root's on every node: those are refused at
+            # admission (ddtree_args.reads_request_history).
             if sampling_info is not None and sampling_info.has_custom_logit_processor:
                 apply_custom_logit_processor(
                     logits_output.next_token_logits, sampling_info, num_tokens_in_batch=W

@@ -176,7 +176,9 @@ def sizes(args):
             except TypeError:
                 worker.ddtree_config = ddtree_worker.DDTreeConfig.from_server_args(server_args)
         out["worker_cls"] = cls.__name__
-        out["prewarm_batch_size"] = cls._prewarm_batch_size(worker, n)
+        # what each worker's prewarm_sampling asks for: rows of the block (DFLASH), of the tree (DDTREE)
+        rows = worker.ddtree_config.verify_width if cls is not DFlashWorkerV2 else n
+        out["prewarm_batch_size"] = cls._prewarm_batch_size(worker, rows)
         mask = torch.ones(8, dtype=torch.bool)
         for role, is_draft in (("target", False), ("draft", True)):
             width = algo.get_num_tokens_per_req_for_target_verify(mx, is_draft)
@@ -268,20 +270,22 @@ def test_ddtree_sizes_formulas(patched, budget):
     assert s["logits_rows_target"] == bs * W
     assert s["logits_rows_draft"] == bs * block == dflash["logits_rows_target"]
     assert s["worker_cls"] == "DDTreeWorkerV2"
-    # every decode batch, graph or eager, is at most max-running-requests (DFLASH's 48)
-    assert s["prewarm_batch_size"] == s["max_running_requests"] == 48
+    # upstream's bound at the tree's width: the largest graph batch, capped by max-running-requests
+    assert s["prewarm_batch_size"] == min(s["logits_rows_target"] // W, s["max_running_requests"]) == 48
     # warm-up and autotune verify W tokens per request through the mask, as serving does
     assert s["dummy_target"] == ["DFlashVerifyInput", W, True]
     assert s["dummy_draft"] == dflash["dummy_draft"] == ["DFlashVerifyInput", block, False]
 
 
-def test_ddtree_prewarms_the_largest_eager_batch_not_the_graph_batch(patched):
-    """CT200's shape: graphs up to 8 requests, eager batches up to 48; the sampled
-    verify is rehearsed at 48 (2.0: at the graph batch, 8)."""
+def test_ddtree_prewarms_as_upstream_bounds_it_at_the_tree_width(patched):
+    """CT200's shape: graphs up to 8 requests, eager batches up to 48. The sampled verify is
+    rehearsed as upstream bounds its own (the largest graph batch: what the graph pool lends
+    for), at W = 17 rows a request: 8, not 2.1's 48 (max-running-requests, 6x the probability
+    matrices reserved at start-up)."""
     s = patched["ddtree_b16_graph8"]
     assert s["cuda_graph_decode_bs"][-1] == 8 and s["logits_rows_target"] == 8 * 17
     assert s["max_running_requests"] == 48
-    assert s["prewarm_batch_size"] == 48 != s["logits_rows_target"] // 17
+    assert s["prewarm_batch_size"] == s["logits_rows_target"] // 17 == 8
 
 
 def test_ddtree_b64_numbers(patched):

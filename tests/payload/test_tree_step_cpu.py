@@ -248,3 +248,21 @@ def test_the_eager_tree_work_is_what_the_count_sees(counted):
     assert got["replays"] == 0 and got["launches"] > 3 * MAX_LAUNCHES, got
     assert {"aten::topk", "aten::gather", "aten::searchsorted", "aten::scatter_"} <= set(got["ops"]), got["ops"]
     assert counted["eager"]["expect"]["out"] == counted["graph"]["expect"]["out"]
+
+
+def test_the_runner_reports_what_each_of_its_buffers_holds(step_mod):
+    from sglang.srt.speculative import ddtree_worker
+
+    runner, buffer = make_runner(step_mod)
+    run(runner, inputs(3, 51))
+    runner.retrieve_index(3)
+    got = runner.memory_bytes()
+    assert got["verify_mask"] == buffer.numel() == 4 * W * (CONTEXT + W)
+    # static inputs and outputs for the largest graph batch (4): int64 / float32 tensors
+    per_row = L * CAP * (4 + 8) + 8 + 4 + 8 + 8 + 4 * W * 8
+    assert got["step_buffers"] == 4 * per_row
+    assert got["retrieve_index"] == runner._retrieve_index.numel() * 8 > 0
+    line = ddtree_worker.ddtree_memory_line(got, 3 << 20)
+    assert line.startswith(f"DDTREE memory per rank: verify mask {got['verify_mask'] / (1 << 20):.1f} MiB, ")
+    assert "tree-step graphs 3.0 MiB" in line
+    assert f"{(sum(got.values()) + (3 << 20)) / (1 << 20):.1f} MiB in all" in line

@@ -107,6 +107,81 @@ OUT["startup_triton"] = startup(triton)
 OUT["startup_hybrid_prefill"] = startup(hybrid)
 OUT["startup_hybrid_decode"] = startup(hybrid, mode="decode")
 OUT["startup_page_after_parse"] = startup(triton, page_size=128)
+
+# 3. The sampling pre-warm, with CUDA's memory counters and the two sampling kernels faked (no GPU
+# here); the bound, SGLang's borrow switch and its fallback are the real ones.
+import sglang.kernels.ops.sampling as sampling_ops
+import sglang.kernels.ops.sampling.renorm as renorm_ops
+import sglang.srt.utils as srt_utils
+from sglang.srt.model_executor.runner_utils import pool as graph_pool
+from sglang.srt.speculative.ddtree_worker import DDTreeConfig
+
+
+def prewarm(oom_on_measure):
+    publish(prepare_server_args(["--model-path", MODEL, "--device", "cuda"] + DDTREE), role="scheduler")
+    worker = object.__new__(get_ddtree_worker_cls())
+    calls = {"peaks": [], "disabled": []}
+    runner = types.SimpleNamespace(max_running_requests=48, max_decode_logits_rows=lambda: 8 * 5)
+    worker.__dict__.update(ddtree_config=DDTreeConfig(4, 4, 8), device="cpu",  # W = 5
+                           model_runner=runner, model_config=types.SimpleNamespace(vocab_size=32))
+    borrowing = [True]
+
+    def softmax(logits, temperatures):
+        calls["peaks"].append((logits.shape[0], borrowing[0] and graph_pool.graph_pool_borrow_enabled()))
+        if oom_on_measure and len(calls["peaks"]) == 2:  # the measured pass, whatever borrows
+            raise torch.OutOfMemoryError("graph pool exhausted")
+        return torch.softmax(logits, -1)
+
+    def disable(reason):
+        calls["disabled"].append(reason)
+        borrowing[0] = False
+
+    fakes = {(sampling_ops, "softmax"): softmax, (renorm_ops, "top_p_renorm_prob"): lambda probs, top_p: probs,
+             (srt_utils, "is_cuda"): lambda: True, (graph_pool, "disable_graph_pool_borrow"): disable,
+             (graph_pool, "graph_pool_borrow_enabled"):
+                 lambda: borrowing[0] and bool(envs.SGLANG_ENABLE_GRAPH_POOL_BORROW.get()),
+             (torch.cuda, "synchronize"): lambda: None, (torch.cuda, "reset_peak_memory_stats"): lambda: None,
+             (torch.cuda, "memory_stats"): lambda: {"allocated_bytes.all.current": 100,
+                                                    "allocated_bytes.all.peak": 1100}}
+    saved = {key: getattr(*key) for key in fakes}
+    for (module, name), fake in fakes.items():
+        setattr(module, name, fake)
+    try:
+        result = worker.prewarm_sampling()
+        calls["result"] = [result.sampling_input_bytes, result.sampling_headroom_bytes]
+    except torch.OutOfMemoryError as e:
+        calls["raised"] = str(e)
+    finally:
+        for (module, name), real in saved.items():
+            setattr(module, name, real)
+    return calls
+
+
+from sglang.srt.environ import envs
+with envs.SGLANG_ENABLE_GRAPH_POOL_BORROW.override(True):
+    OUT["prewarm"] = prewarm(oom_on_measure=False)
+    OUT["prewarm_oom"] = prewarm(oom_on_measure=True)
+with envs.SGLANG_ENABLE_GRAPH_POOL_BORROW.override(False):
+    OUT["prewarm_oom_not_borrowing"] = prewarm(oom_on_measure=True)
+
+# 4. The tree step's graphs capture in "thread_local" mode, as upstream's secondary graphs do.
+import contextlib
+from sglang.srt.speculative import ddtree_step
+captured = {}
+real_graph = torch.cuda.graph
+class FakeStream:
+    def wait_stream(self, other):
+        pass
+torch.cuda.graph = lambda g, **kw: (captured.update(kw), contextlib.nullcontext())[1]
+saved_cuda = (torch.cuda.Stream, torch.cuda.stream, torch.cuda.current_stream, torch.cuda.CUDAGraph)
+torch.cuda.Stream, torch.cuda.stream = FakeStream, (lambda s: contextlib.nullcontext())
+torch.cuda.current_stream, torch.cuda.CUDAGraph = FakeStream, object
+try:
+    ddtree_step.CudaGraphUnit(pool="pool").capture(lambda: None)
+finally:
+    torch.cuda.graph = real_graph
+    torch.cuda.Stream, torch.cuda.stream, torch.cuda.current_stream, torch.cuda.CUDAGraph = saved_cuda
+OUT["capture_kwargs"] = captured
 '''
 
 
@@ -146,3 +221,24 @@ def test_a_verify_that_would_run_on_another_backend_is_refused_at_start(replays)
 def test_options_changed_after_the_parse_check_are_refused_at_start(replays):
     why = replays["startup_page_after_parse"]
     assert any("--page-size 128" in w for w in why), why
+
+
+def test_the_sampling_prewarm_is_bounded_as_upstream_bounds_it(replays):
+    """At W = 5 rows a request: the largest graph batch (8 x 5 logits rows -> 8 requests),
+    not --max-running-requests (48); rehearsed once unborrowed, then measured borrowing."""
+    got = replays["prewarm"]
+    assert got["peaks"] == [[8 * 5, False], [8 * 5, True]], got
+    assert got["disabled"] == [] and got["result"] == [8 * 5 * 32 * 4, 1000 + 8 * 5 * 32 * 4], got
+
+
+def test_a_prewarm_that_runs_out_of_graph_pool_memory_stops_borrowing_and_measures_again(replays):
+    got = replays["prewarm_oom"]
+    assert len(got["disabled"]) == 1 and "DDTREE sampling rehearsal" in got["disabled"][0], got
+    assert got["peaks"][-1] == [8 * 5, False] and got["result"][1] == 1000 + 8 * 5 * 32 * 4, got
+    # not borrowing, an out-of-memory error is real: it is raised, as upstream raises it
+    assert "raised" in replays["prewarm_oom_not_borrowing"]
+    assert replays["prewarm_oom_not_borrowing"]["disabled"] == []
+
+
+def test_the_tree_step_graphs_capture_thread_local(replays):
+    assert replays["capture_kwargs"] == {"pool": "pool", "capture_error_mode": "thread_local"}

@@ -27,6 +27,7 @@ from sglang.srt.speculative.ddtree_verify import DDTreeStepOut, ddtree_tree_step
 # an over-size batch in another dtype would compile the attention kernels again,
 # while serving, on every rank.
 MASK_DTYPE = torch.uint8
+CAPTURE_ERROR_MODE = "thread_local"
 
 
 class DDTreeStepRunner:
@@ -124,6 +125,19 @@ class DDTreeStepRunner:
             ).view(rows, self.width)
         return self._retrieve_index[:bs]
 
+    def memory_bytes(self) -> dict:
+        """What the runner's buffers hold, by part (bytes): the verify-mask
+        buffer it writes (the backend's), its static inputs/outputs and the
+        retrieve index. The graphs' own pool is measured around the capture."""
+        def size(tensors) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors)
+
+        return {
+            "verify_mask": 0 if self.mask_buffer is None else size([self.mask_buffer]),
+            "step_buffers": 0 if self._static is None else size(self._static.values()),
+            "retrieve_index": size([self._retrieve_index]),
+        }
+
     def graph_bs(self, bs: int) -> Optional[int]:
         i = bisect.bisect_left(self.capture_bs, bs)
         return self.capture_bs[i] if i < len(self.capture_bs) else None
@@ -186,7 +200,10 @@ class CudaGraphUnit:
             fn()
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=self.pool):
+        # "thread_local", as upstream's secondary graphs: in "global" mode a CUDA
+        # call another thread of the process makes during the capture (the
+        # scheduler's helper threads) invalidates it.
+        with torch.cuda.graph(self.graph, pool=self.pool, capture_error_mode=CAPTURE_ERROR_MODE):
             fn()
 
     def replay(self) -> None:

@@ -134,6 +134,20 @@ def verify_attention_backend(backend, speculative_attention_mode: Optional[str])
     return backend
 
 
+def ddtree_memory_line(parts: dict, graphs_bytes: int) -> str:
+    """The start-up line with what each DDTree buffer took, per rank."""
+    def mib(n: int) -> str:
+        return f"{n / (1 << 20):.1f} MiB"
+
+    total = sum(parts.values()) + graphs_bytes
+    return (
+        "DDTREE memory per rank: verify mask %s, tree-step buffers %s, retrieve index %s, "
+        "tree-step graphs %s (pool reserved while capturing); %s in all"
+        % (mib(parts["verify_mask"]), mib(parts["step_buffers"]), mib(parts["retrieve_index"]),
+           mib(graphs_bytes), mib(total))
+    )
+
+
 def host_prefix_bound(seq_lens_cpu, nxt_kv_lens_cpu, context_len: int, block_size: int) -> torch.Tensor:
     """Host lengths, per request, at least the committed prefix on the device:
     exact when the scheduler mirrored them (``seq_lens_cpu``), else the
@@ -278,16 +292,6 @@ def _build_worker_cls() -> type:
         def _maybe_build_draft_sampler(self):
             return None
 
-        def _prewarm_batch_size(self, block_size: int) -> int:
-            """The largest batch a sampled tree verify can see: every decode batch
-            is at most ``--max-running-requests`` requests, CUDA graph or eager
-            (upstream rehearses only the graph batch, so a larger eager batch
-            allocates its ``[bs, W, V]`` probabilities unaccounted, under traffic)."""
-            running = int(getattr(self.model_runner, "max_running_requests", 0) or 0)
-            if running > 0:
-                return running
-            return super()._prewarm_batch_size(self.ddtree_config.verify_width)
-
         # -- the tree step unit (one CUDA graph per graph batch size) ----------
         def init_cuda_graphs(self):
             super().init_cuda_graphs()
@@ -295,10 +299,15 @@ def _build_worker_cls() -> type:
             capture_bs = list(
                 getattr(self.target_worker.model_runner, "decode_cuda_graph_capture_bs", None) or []
             )
+            graphs = 0
             if capture_bs and torch.device(self.device).type == "cuda":
+                before = torch.cuda.memory_reserved(self.device)
                 runner.capture(capture_bs, cuda_graph_factory())
+                graphs = torch.cuda.memory_reserved(self.device) - before
                 if int(get_parallel().tp_rank) == 0:
                     logger.info("DDTREE: tree step captured for batch sizes %s", runner.capture_bs)
+            if int(get_parallel().tp_rank) == 0:
+                logger.info(ddtree_memory_line(runner.memory_bytes(), graphs))
 
         def ddtree_tree_runner(self) -> DDTreeStepRunner:
             """Built on first use: the target attention backend's verify-mask
@@ -325,13 +334,20 @@ def _build_worker_cls() -> type:
             reserved at start-up instead of failing under traffic."""
             from sglang.kernels.ops.sampling import softmax as sampling_softmax
             from sglang.kernels.ops.sampling.renorm import top_p_renorm_prob
+            from sglang.srt.environ import envs
             from sglang.srt.model_executor.model_runner import SamplingPrewarmResult
+            from sglang.srt.model_executor.runner_utils.pool import (
+                disable_graph_pool_borrow,
+                graph_pool_borrow_enabled,
+            )
             from sglang.srt.utils import is_cuda
 
             if not is_cuda():
                 return self.model_runner.prewarm_sampling()
             W = self.ddtree_config.verify_width
             vocab = int(self.model_config.vocab_size)
+            # Upstream's bound, at W rows per request: the largest graph batch,
+            # capped by --max-running-requests (what the graph pool lends for).
             bs = self._prewarm_batch_size(W)
             rows = bs * W
             logits = torch.zeros((rows, vocab), dtype=torch.float32, device=self.device)
@@ -351,14 +367,38 @@ def _build_worker_cls() -> type:
                 torch.cuda.synchronize()
                 return torch.cuda.memory_stats()["allocated_bytes.all.peak"] - base
 
-            peak()  # kernels' lifetime workspaces land outside the measurement
-            measured = peak()
+            # One unborrowed pass, so a workspace a kernel keeps for the process
+            # lands outside graph storage and off the measured peak (upstream's).
+            with envs.SGLANG_ENABLE_GRAPH_POOL_BORROW.override(False):
+                peak()
+            borrowing = graph_pool_borrow_enabled()
+            try:
+                measured = peak()
+            except torch.OutOfMemoryError:
+                if not borrowing:
+                    raise
+                # Upstream's fallback: stop borrowing graph-pool memory and reserve
+                # the measured headroom in the post-capture KV sizing instead.
+                reason = (
+                    "DDTREE sampling rehearsal exhausted graph-pool memory for the "
+                    f"{bs}x{W}x{vocab} verify probability matrices"
+                )
+                logger.warning(
+                    "Graph pool %s; disabling borrowing and reserving the measured "
+                    "headroom in the post-capture KV sizing instead",
+                    reason,
+                )
+                disable_graph_pool_borrow(reason)
+                measured = peak()
             input_bytes = logits.numel() * logits.element_size()
             result = SamplingPrewarmResult(
                 sampling_input_bytes=input_bytes, sampling_headroom_bytes=measured + input_bytes
             )
             self.model_runner.sampling_prewarm_result = result
-            logger.info("DDTREE sampling pre-warm: bs=%d width=%d peak=%d B", bs, W, measured)
+            logger.info(
+                "DDTREE sampling pre-warm: borrowing=%s bs=%d width=%d peak=%d B headroom=%d B",
+                graph_pool_borrow_enabled(), bs, W, measured, result.sampling_headroom_bytes,
+            )
             return result
 
         def forward_batch_generation(

@@ -115,6 +115,7 @@ import sglang.kernels.ops.sampling.renorm as renorm_ops
 import sglang.srt.utils as srt_utils
 from sglang.srt.model_executor.runner_utils import pool as graph_pool
 from sglang.srt.speculative.ddtree_worker import DDTreeConfig
+from sglang.kernels.ops.speculative import sampling as spec_sampling_jit, tree as spec_tree_jit
 
 
 def prewarm(oom_on_measure):
@@ -136,7 +137,13 @@ def prewarm(oom_on_measure):
         calls["disabled"].append(reason)
         borrowing[0] = False
 
-    fakes = {(sampling_ops, "softmax"): softmax, (renorm_ops, "top_p_renorm_prob"): lambda probs, top_p: probs,
+    def loaded(name):
+        return lambda *args: calls.setdefault("jit_modules", []).append([name, *args])
+
+    fakes = {(sampling_ops, "softmax"): softmax,
+             (spec_tree_jit, "_jit_tree_module"): loaded("speculative_tree"),
+             (spec_sampling_jit, "_jit_sampling_module"): loaded("speculative_sampling"),
+             (renorm_ops, "top_p_renorm_prob"): lambda probs, top_p: probs,
              (srt_utils, "is_cuda"): lambda: True, (graph_pool, "disable_graph_pool_borrow"): disable,
              (graph_pool, "graph_pool_borrow_enabled"):
                  lambda: borrowing[0] and bool(envs.SGLANG_ENABLE_GRAPH_POOL_BORROW.get()),
@@ -242,3 +249,9 @@ def test_a_prewarm_that_runs_out_of_graph_pool_memory_stops_borrowing_and_measur
 
 def test_the_tree_step_graphs_capture_thread_local(replays):
     assert replays["capture_kwargs"] == {"pool": "pool", "capture_error_mode": "thread_local"}
+
+
+def test_the_tree_verifys_jit_modules_are_loaded_at_start_up(replays):
+    """Before the server says ready: the greedy tree verify's module and the tree sampler at
+    this vocabulary's vector size (gcd(4, 32) = 4), deterministic as eagle_sample calls it."""
+    assert replays["prewarm"]["jit_modules"] == [["speculative_tree"], ["speculative_sampling", 4, True]]

@@ -327,6 +327,19 @@ def _build_worker_cls() -> type:
                 self._ddtree_runner = runner
             return runner
 
+        def ddtree_warm_jit_modules(self):
+            """Load SGLang's JIT modules the tree verify calls (compiling them on a
+            first start) while the server starts, not in the first decode after
+            /health says ready: ``verify_tree_greedy``'s module, and the tree
+            sampler at this vocabulary's vector size as ``eagle_sample`` calls it
+            (deterministic). Loading launches nothing."""
+            import math
+
+            from sglang.kernels.ops.speculative import sampling, tree
+
+            tree._jit_tree_module()
+            sampling._jit_sampling_module(math.gcd(4, int(self.model_config.vocab_size)), True)
+
         def prewarm_sampling(self):
             """Rehearse the sampled tree verify at its largest batch, so the
             probability tensors ``eagle_sample`` allocates (``[bs, W, V]`` float32:
@@ -344,6 +357,7 @@ def _build_worker_cls() -> type:
 
             if not is_cuda():
                 return self.model_runner.prewarm_sampling()
+            self.ddtree_warm_jit_modules()
             W = self.ddtree_config.verify_width
             vocab = int(self.model_config.vocab_size)
             # Upstream's bound, at W rows per request: the largest graph batch,

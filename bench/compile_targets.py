@@ -21,8 +21,9 @@ compiled kernel's own figure (``metadata.shared``).
 The kernels (``TREE_PATH``): the target verify's extend attention with the tree mask (MLA as
 Kimi K2.6 / DeepSeek-V3 per TP rank, Lq 576 / Lv 512, at W 17 and 65, and a GQA MHA at W 65;
 bf16, the verify mask uint8 at every batch size), the verify and draft windows' cache locations
-(``assign_extend_cache_locs``, also behind ``fill_front_out_cache_loc_func``) and the accepted
-nodes' cache locations (``fill_accept_out_cache_loc``). The MLA pool's accepted-KV move is a
+(``assign_extend_cache_locs``, also behind ``fill_front_out_cache_loc_func``), the accepted
+nodes' cache locations (``fill_accept_out_cache_loc``) and, for a model with a final logit
+softcap under TP, the greedy verify's row maxima (``softcap_row_argmax``). The MLA pool's accepted-KV move is a
 torch loop, not a Triton kernel.
 
 Limits (CUDA C Programming Guide, technical specifications per compute capability): shared
@@ -225,7 +226,19 @@ def _index_launches():
             ("cache locs: accepted nodes", accept_move)]
 
 
-TREE_PATH = (_attention_launches, _index_launches)
+def _greedy_launches():
+    """The deferred greedy verify (a model with a final logit softcap, under TP): each rank's
+    row maxima of its vocabulary shard (``LogitsProcessor.deferred_argmax``)."""
+    from sglang.kernels.ops.sampling.softcap_row_argmax import softcap_row_argmax
+
+    def row_maxima():  # bs 8 x W 17 rows, a 163,840 vocabulary over 8 ranks
+        logits = torch.zeros(8 * 17, 163_840 // 8, dtype=torch.float32)
+        softcap_row_argmax(logits, 30.0, logits.shape[1], 0)
+
+    return [("greedy verify: row maxima (deferred gather)", row_maxima)]
+
+
+TREE_PATH = (_attention_launches, _index_launches, _greedy_launches)
 
 
 def _patch_set_module(name: str):

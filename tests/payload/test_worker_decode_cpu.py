@@ -178,3 +178,39 @@ def test_kv_check_catches_a_skipped_move(tmp_path, sglang_overlay):  # noqa: F81
     check_result(out)
     with pytest.raises(AssertionError, match="KV rows differ"):
         check_kv(out)
+
+
+# -- the deferred verify gather (DFLASH's, under TP) ------------------------------------------
+
+
+def _run_deferred(tmp_path, overlay, case: dict) -> dict:
+    code = f"""
+    sys.path.insert(0, {str(HERE)!r})
+    import worker_fakes  # first: sets TRITON_INTERPRET / SGLANG_NATIVE_MOVE_KV_CACHE
+    OUT["deferred"] = worker_fakes.run_case(model=MODEL, deferred_gather=True, **{case!r})
+    """
+    return run_sglang(code, tmp_path, overlay, timeout=300, triton_interpret=True)["deferred"]
+
+
+def test_a_plain_greedy_step_gathers_only_row_maxima_and_commits_the_same(tmp_path, sglang_overlay):  # noqa: F811
+    """With the target's logits as vocabulary shards (DFLASH's deferred verify gather), a plain
+    greedy batch takes SGLang's ``deferred_argmax`` (each row's maximum crosses TP, not the
+    vocabulary) and the greedy tree walk on it: the same tokens, lengths, draft KV and target KV
+    as the full-logits step, and never the full gather."""
+    out = _run_deferred(tmp_path, sglang_overlay, CASES["b8-cap3-block5"])
+    assert out["result"]["verify_gathers"] == {"full": 0, "row_maxima": 1}
+    check_scenario(out)
+    check_calls(out)
+    check_result(out)
+    check_draft_kv_append(out)
+    check_kv(out)
+
+
+def test_a_step_that_needs_the_logits_still_gathers_them_whole(tmp_path, sglang_overlay):  # noqa: F811
+    """Control: logprobs read the full distribution, so that batch gathers the vocabulary (once)
+    and takes eagle_sample's path; the result is the full-logits step's."""
+    out = _run_deferred(tmp_path, sglang_overlay, CASES["b20-cap4-block8"])
+    assert out["result"]["verify_gathers"] == {"full": 1, "row_maxima": 0}
+    check_result(out)
+    check_kv(out)
+    check_logprobs(out)

@@ -734,6 +734,55 @@ def make_pools(*, rows, slots, context, head_dim, target_layers, dev):
     )
 
 
+class DeferredShardLogits:
+    """The target's logits processor as DFLASH's deferred verify gather has it under TP, at one
+    rank (the shard is the whole vocabulary): SGLang's own ``deferred_argmax`` (its row-maxima
+    kernel, then the all-gather of ``[rows, 2]``, here over a one-rank group) and
+    ``finish_deferred_gather`` (the full-vocabulary gather; at one rank the logits themselves),
+    each counted in ``gathers``. 0.5.23 defers the gather only for a model with a final logit
+    softcap (``LogitsProcessor._can_defer...``: ``bool(final_logit_softcapping)``), hence the
+    cap here; it is monotonic, so the argmax is the uncapped one."""
+
+    SOFTCAP = 30.0
+
+    def __init__(self, vocab: int, gathers: dict):
+        self.defer_verify_gather, self.vocab_size, self.final_logit_softcapping = True, vocab, self.SOFTCAP
+        self.gathers = gathers
+
+    def is_deferred_shard(self, logits) -> bool:
+        return logits is not None
+
+    def finish_deferred_gather(self, logits):
+        self.gathers["full"] += 1
+        return logits
+
+    def deferred_argmax(self, logits):
+        import sglang.srt.layers.logits_processor as lp_module
+        from sglang.srt.layers.logits_processor import LogitsProcessor
+        from sglang.srt.runtime_context import get_parallel
+
+        self.gathers["row_maxima"] += 1
+        group = get_parallel().tp_group
+        assert group.world_size == 1
+        if not hasattr(group, "all_gather_into_tensor"):  # one rank: the gather is a copy
+            group.all_gather_into_tensor = lambda out, t: out.copy_(t.view_as(out))
+        # Triton's interpreter has no libdevice tanh: the row-maxima kernel's PyTorch equivalent
+        # (bench/compile_targets.py compiles the kernel itself for both chips).
+        real, lp_module.softcap_row_argmax = lp_module.softcap_row_argmax, _softcap_row_argmax_torch
+        try:
+            return LogitsProcessor.deferred_argmax(self, logits)
+        finally:
+            lp_module.softcap_row_argmax = real
+
+
+def _softcap_row_argmax_torch(logits, final_logit_softcapping, valid_width, col_offset):
+    """``softcap_row_argmax``: per row ``(max, first argmax + col_offset)`` of the softcapped
+    logits over the first ``valid_width`` columns, fp32 ``[rows, 2]``."""
+    capped = torch.tanh(logits[:, :valid_width] / final_logit_softcapping) * final_logit_softcapping
+    best = capped.argmax(dim=-1)  # the first of equal maxima, as the kernel's tie break
+    return torch.stack([capped.gather(1, best[:, None])[:, 0], (best + col_offset).float()], dim=1)
+
+
 def make_worker(cls, *, cfg, block, mask_id, dev, lm_weight, embed, model_config, req_pool,
                 allocator, kv_pool, target_translator, draft_translator, draft_pool, attn_backend,
                 target_forward, draft_forward, append_draft_kv):
@@ -778,7 +827,7 @@ def make_worker(cls, *, cfg, block, mask_id, dev, lm_weight, embed, model_config
         draft_parallel_layout=resolve_draft_parallel_layout(
             model_draft_parallel_spec(None, spec_algorithm=SpeculativeAlgorithm.DFLASH),
             collapse_cp=True),
-        _target_logits_processor=None, _tp_sync=SpecTpSync(get_dp_tp_group()),
+        _target_logits_processor=None, _selector_sample=None, _tp_sync=SpecTpSync(get_dp_tp_group()),
         _append_target_hidden_to_draft_kv_by_loc=append_draft_kv,
         selector=None, lilicorr=None, _is_domino=False, _need_mamba_verify_commit=False,
     )
@@ -790,7 +839,7 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
              sampling=None, bonus=None, mutation: str | None = None, renorm: str = "torch",
              req_kwargs=None, extra_args=(), worker_mutation: str | None = None,
              grammar_probe: bool = False, verify_mask_bs: int = 0, graph_bs=(),
-             profile: bool = False, index_kernels: str = "triton") -> dict:
+             profile: bool = False, index_kernels: str = "triton", deferred_gather: bool = False) -> dict:
     """Build pools, batch and worker, run one ``ddtree_decode``; return what the
     test checks (plain lists) and the reference's expectations.
 
@@ -1109,6 +1158,9 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
         append_draft_kv=append_draft_kv,
     )
 
+    gathers = {"full": 0, "row_maxima": 0}
+    if deferred_gather:
+        worker._target_logits_processor = DeferredShardLogits(V, gathers)
     if graph_bs:
         from launch_count import ReplayedCall
 
@@ -1179,6 +1231,7 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
             "sampling_mask": sampling_mask,
             "grammar_log": grammar_log,
             "launches": launches,
+            "verify_gathers": gathers,
             "graph_bs": list(worker.ddtree_tree_runner().capture_bs)
             if hasattr(worker, "ddtree_tree_runner") else None,  # 2.0 had no tree unit
         },

@@ -1,4 +1,4 @@
-"""DDTree worker for SGLang 0.5.23 (ddtree-temp patch set, 2.1).
+"""DDTree worker for SGLang 0.5.23 (ddtree-temp patch set, 2.2 in progress).
 
 One decode step, the way 0.5.23's n-gram worker verifies a tree:
 
@@ -21,10 +21,15 @@ One decode step, the way 0.5.23's n-gram worker verifies a tree:
    path, see the patched spec_info / dflash_utils / triton_backend), the model's
    own logits processor under TP and the triton attention backend (MHA or MLA)
    apply unchanged.
-4. **Accept.** Custom logit processors on every tree row, then ``eagle_sample``
-   (penalties, logit bias, grammar mask, then SGLang's ``verify_tree_greedy`` /
-   ``tree_speculative_sampling_target_only`` kernels, temperature / top-k /
-   top-p as EAGLE's verify).
+4. **Accept.** A plain greedy batch whose logits came back as vocabulary shards
+   (DFLASH's deferred verify gather, a softcapped model under TP) takes
+   ``deferred_argmax`` (only each row's maximum crosses TP) and SGLang's greedy
+   tree walk on it, broadcasting the prediction once, as DFLASH does. Any other
+   batch: the full logits, custom logit processors on every tree row, then
+   ``eagle_sample`` (penalties, logit bias, grammar mask, then SGLang's
+   ``verify_tree_greedy`` / ``tree_speculative_sampling_target_only`` kernels,
+   temperature / top-k / top-p as EAGLE's verify; a sampled walk is broadcast
+   from rank 0 inside it, a greedy one once more, packed).
 5. **Commit.** ``move_accept_tokens_to_target_kvcache`` puts the accepted
    nodes' target KV at the front of the window (as the n-gram worker does), the
    committed tokens come back in DFlash's ``[bs, block_size]`` layout (with the
@@ -188,11 +193,13 @@ def _build_worker_cls() -> type:
         DFlashWorkerV2,
         _resolve_dflash_embedding_module,
     )
+    from sglang.srt.speculative import eagle_utils
     from sglang.srt.speculative.eagle_utils import eagle_sample
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from sglang.srt.speculative.spec_sampling_mask import SpeculativeSamplingMaskCapture
     from sglang.srt.speculative.spec_tp_sync import SpecTpSyncSite
     from sglang.srt.speculative.spec_utils import (
+        SIMULATE_ACC_LEN,
         GrammarTree,
         build_grammar_vocab_mask,
         draft_tp_context,
@@ -450,11 +457,13 @@ def _build_worker_cls() -> type:
                     verify_input.retrieve_next_sibling,
                     verify_input.draft_token.view(len(batch.seq_lens), -1),
                 )
-            target_out, logits_output = self.ddtree_target_verify(batch, draft_input, verify_input)
+            target_out, logits_output, target_predict = self.ddtree_target_verify(
+                batch, draft_input, verify_input
+            )
             return self.ddtree_accept_and_commit(
                 batch, verify_input, target_out, logits_output, block_plan,
                 draft_input=draft_input, on_publish=on_publish, grammar_barrier=grammar_barrier,
-                grammar_tree=grammar_tree,
+                grammar_tree=grammar_tree, target_predict=target_predict,
             )
 
         def ddtree_draft_block(self, batch, draft_input):
@@ -647,7 +656,13 @@ def _build_worker_cls() -> type:
 
         def ddtree_target_verify(self, batch, draft_input, verify_input):
             """The target forward in TARGET_VERIFY through the target worker
-            (CUDA graph when the runner can replay this batch)."""
+            (CUDA graph when the runner can replay this batch). Under TP the
+            logits come back as each rank's vocabulary shard: a plain greedy
+            batch takes DFLASH's deferred path (only each row's maximum crosses
+            TP, ``deferred_argmax``, and the logits are dropped) and returns the
+            target's prediction per node; any other batch gets the full logits
+            gathered (sampling, logprobs, grammar, processors need them).
+            Returns ``(target_out, logits_output, target_predict or None)``."""
             W = self.ddtree_config.verify_width
             backup = (batch.seq_lens_cpu, batch.seq_lens_sum)
             if batch.seq_lens_cpu is not None:
@@ -663,56 +678,67 @@ def _build_worker_cls() -> type:
                 batch=None, forward_batch=verify_fb, is_verify=True, skip_attn_backend_init=True
             )
             logits_output = target_out.logits_output
+            target_predict = None
             target_lp = self._target_logits_processor
             if target_lp is not None and target_lp.is_deferred_shard(logits_output.next_token_logits):
-                logits_output.next_token_logits = target_lp.finish_deferred_gather(
-                    logits_output.next_token_logits
-                )
-            return target_out, logits_output
+                if self._can_skip_verify_logits(batch, batch.sampling_info) and SIMULATE_ACC_LEN <= 0:
+                    target_predict = target_lp.deferred_argmax(logits_output.next_token_logits)
+                    logits_output.next_token_logits = None
+                else:
+                    logits_output.next_token_logits = target_lp.finish_deferred_gather(
+                        logits_output.next_token_logits
+                    )
+            return target_out, logits_output, target_predict
+
+        def ddtree_greedy_walk(self, batch, verify_input, target_predict):
+            """The greedy tree walk on the target's per-node prediction, as
+            ``eagle_sample``'s greedy branch runs it (same kernel, outputs and
+            layout), for a batch that has nothing else to apply to the logits.
+            The prediction is the one value rank 0 decides (broadcast, as DFLASH
+            broadcasts its own); the walk is then the same on every rank."""
+            bs, W = len(batch.seq_lens), self.ddtree_config.verify_width
+            device = target_predict.device
+            target_predict = self._tp_sync.sync(
+                SpecTpSyncSite.DFLASH_ACCEPT_GREEDY, target_predict.view(bs, W)
+            )
+            predict = torch.zeros((bs * W,), dtype=torch.int32, device=device)
+            accept_index = torch.full(
+                (bs, verify_input.max_tree_depth), -1, dtype=torch.int32, device=device
+            )
+            num_correct = torch.empty((bs,), dtype=torch.int32, device=device)
+            # eagle_sample's own function, looked up as eagle_sample looks it up
+            predict, accept_index, num_correct = eagle_utils.verify_tree_greedy_func(
+                predicts=predict,
+                accept_index=accept_index,
+                accept_token_num=num_correct,
+                candidates=verify_input.draft_token.reshape(bs, W),
+                retrieve_index=verify_input.retrieve_index,
+                retrieve_next_token=verify_input.retrieve_next_token,
+                retrieve_next_sibling=verify_input.retrieve_next_sibling,
+                target_predict=target_predict,
+                topk=verify_input.tree_topk,
+            )
+            return predict, num_correct + 1, accept_index
 
         def ddtree_accept_and_commit(
             self, batch, verify_input, target_out, logits_output, block_plan, *,
             draft_input, on_publish=None, grammar_barrier=None, grammar_tree=None,
+            target_predict=None,
         ):
             cfg = self.ddtree_config
             bs = len(batch.seq_lens)
             W = cfg.verify_width
             block_size = int(self.block_size)
             prefix_lens = batch.seq_lens
-            sampling_info = batch.sampling_info
 
-            grammar_mask = None
-            if grammar_tree is not None:
-                grammar_mask = build_grammar_vocab_mask(
-                    reqs=batch.reqs,
-                    tree=grammar_tree,
-                    sampling_info=sampling_info,
-                    device=logits_output.next_token_logits.device,
-                    barrier=grammar_barrier,
+            if target_predict is not None:  # plain greedy, deferred: no logits were gathered
+                predict, accept_lens, accept_index = self.ddtree_greedy_walk(
+                    batch, verify_input, target_predict
                 )
-            # Custom logit processors see every tree row, as DFLASH applies them
-            # to every block row in its verify (eagle_sample does not apply them).
-            # Each row gets its request's params, so one that reads the request's
-            # history would see the root's on every node: those are refused at
-            # admission (ddtree_args.reads_request_history).
-            if sampling_info is not None and sampling_info.has_custom_logit_processor:
-                apply_custom_logit_processor(
-                    logits_output.next_token_logits, sampling_info, num_tokens_in_batch=W
+            else:
+                predict, accept_lens, accept_index = self.ddtree_accept_from_logits(
+                    batch, verify_input, logits_output, grammar_tree, grammar_barrier
                 )
-
-            # SGLang's tree acceptance (greedy or sampled), as EAGLE and NGRAM.
-            predict, accept_lens, accept_index = eagle_sample(
-                verify_input,
-                batch,
-                logits_output,
-                grammar_mask,
-                watermark_state=self.model_runner.watermark_state,
-            )
-            all_greedy = batch.sampling_info is None or batch.sampling_info.is_all_greedy
-            site = SpecTpSyncSite.DFLASH_ACCEPT_GREEDY if all_greedy else SpecTpSyncSite.DFLASH_ACCEPT_SAMPLE
-            self._tp_sync.sync(site, predict)
-            self._tp_sync.sync(site, accept_index)
-            self._tp_sync.sync(site, accept_lens)
 
             # Target KV of the accepted nodes to the window front (NGRAM's call).
             move_accept_tokens_to_target_kvcache(
@@ -760,6 +786,52 @@ def _build_worker_cls() -> type:
                 routed_experts_output=target_out.routed_experts_output,
                 indexer_topk_output=target_out.indexer_topk_output,
             )
+
+        def ddtree_accept_from_logits(self, batch, verify_input, logits_output, grammar_tree, grammar_barrier):
+            """Acceptance on the full logits: grammar, custom processors, then
+            SGLang's tree acceptance (greedy or sampled), as EAGLE and NGRAM."""
+            W = self.ddtree_config.verify_width
+            sampling_info = batch.sampling_info
+            grammar_mask = None
+            if grammar_tree is not None:
+                grammar_mask = build_grammar_vocab_mask(
+                    reqs=batch.reqs,
+                    tree=grammar_tree,
+                    sampling_info=sampling_info,
+                    device=logits_output.next_token_logits.device,
+                    barrier=grammar_barrier,
+                )
+            # Custom logit processors see every tree row, as DFLASH applies them
+            # to every block row in its verify (eagle_sample does not apply them).
+            # Each row gets its request's params, so one that reads the request's
+            # history would see the root's on every node: those are refused at
+            # admission (ddtree_args.reads_request_history).
+            if sampling_info is not None and sampling_info.has_custom_logit_processor:
+                apply_custom_logit_processor(
+                    logits_output.next_token_logits, sampling_info, num_tokens_in_batch=W
+                )
+            predict, accept_lens, accept_index = eagle_sample(
+                verify_input,
+                batch,
+                logits_output,
+                grammar_mask,
+                watermark_state=self.model_runner.watermark_state,
+            )
+            # A sampled walk is broadcast from rank 0 inside eagle_sample. A greedy
+            # one on the full logits is the same on every rank; it is broadcast
+            # once, packed, as DFLASH broadcasts its greedy prediction.
+            if sampling_info is None or sampling_info.is_all_greedy:
+                if self._tp_sync.enabled(SpecTpSyncSite.DFLASH_ACCEPT_GREEDY):
+                    sizes = (predict.numel(), accept_index.numel(), accept_lens.numel())
+                    packed = torch.cat(
+                        [predict.view(-1), accept_index.view(-1), accept_lens.view(-1).to(predict.dtype)]
+                    )
+                    self._tp_sync.sync(SpecTpSyncSite.DFLASH_ACCEPT_GREEDY, packed)
+                    p, a, n = packed.split(sizes)
+                    predict = p.view_as(predict)
+                    accept_index = a.view_as(accept_index)
+                    accept_lens = n.to(accept_lens.dtype).view_as(accept_lens)
+            return predict, accept_lens, accept_index
 
         def ddtree_capture_sampling_mask(
             self, batch, draft_input, logits_output, accept_index, out_tokens, commit_lens

@@ -214,3 +214,27 @@ def test_a_step_that_needs_the_logits_still_gathers_them_whole(tmp_path, sglang_
     check_result(out)
     check_kv(out)
     check_logprobs(out)
+
+
+CHAIN = {"budget": 6, "cap": 1, "block": 5, "prefixes": [7, 11, 3, 19],
+         "ranks": [[0, 0, 0, 0], [0, 0, None], [None], [0]], "host_mirror": True}
+
+
+def test_a_chain_moves_no_kv_and_leaves_every_accepted_node_in_place(tmp_path, sglang_overlay):  # noqa: F811
+    """Top-k cap 1: node i is the one node at depth i, so the accepted nodes are the window's
+    first ones and the KV move (61 layers of index copies on Kimi) is skipped: the fill kernel of
+    the move never runs, and the whole KV pool is still the reference's."""
+    code = f"""
+    sys.path.insert(0, {str(HERE)!r})
+    import worker_fakes  # first: sets TRITON_INTERPRET / SGLANG_NATIVE_MOVE_KV_CACHE
+    OUT.update(worker_fakes.run_case(model=MODEL, index_kernels="checked", **{CHAIN!r}))
+    """
+    out = run_sglang(code, tmp_path, sglang_overlay, timeout=300, triton_interpret=True)
+    lens = sorted({len(o) for o in out["expect"]["out"]})
+    assert lens[0] == 1 and lens[-1] == CHAIN["block"], lens  # rejected at the root and accepted whole
+    assert all(ids == list(range(len(ids))) for ids in out["expect"]["ids"]), out["expect"]["ids"]
+    index = out["result"]["kernels"]["index"]
+    assert "fill_accept_out_cache_loc" not in index and index.get("assign_extend_cache_locs"), index
+    check_result(out)
+    check_draft_kv_append(out)
+    check_kv(out)

@@ -741,9 +741,12 @@ def _build_worker_cls() -> type:
                 )
 
             # Target KV of the accepted nodes to the window front (NGRAM's call).
-            move_accept_tokens_to_target_kvcache(
-                batch, accept_index, accept_lens - 1, self.model_runner.token_to_kv_pool_allocator
-            )
+            # A chain (top-k cap 1: node i is the one node at depth i) accepts
+            # nodes 0..n-1, already at the front: nothing to move, as in DFLASH.
+            if cfg.topk_cap > 1:
+                move_accept_tokens_to_target_kvcache(
+                    batch, accept_index, accept_lens - 1, self.model_runner.token_to_kv_pool_allocator
+                )
             if batch.return_logprob:
                 compute_spec_logprobs(batch, logits_output, predict, accept_index=accept_index)
             out_tokens, commit_lens, bonus = ddtree_commit_tokens(

@@ -4,9 +4,15 @@
 For an operator's GPU host whose venv has SGLang 0.5.23 with the ddtree-temp patch
 set installed (the lent GPU machine has no sglang and cannot run a server):
 
-    python bench/gpu_server_check.py --out bench/results/            # everything
+    python bench/gpu_server_check.py --out bench/results/            # everything, TP 1
+    python bench/gpu_server_check.py --tp 2 --out bench/results/     # TP 2 (two GPUs), before CT200
     python bench/gpu_server_check.py --targets llama --modes nospec,ddtree
     python bench/gpu_server_check.py --dry-run                        # models + commands only
+
+The defaults are CT200's shape: budget 16 / top-k cap 4, decode graphs up to 8
+requests and batches up to 48 (``--cuda-graph-max-bs``, ``--max-running-requests``),
+so the 32 requests sent at once, and the throughput run at concurrency 32, are
+served by eager batches past the largest graph, as CT200's busy hours are.
 
 It builds tiny random-weight models locally (no hub, no tokenizer: the servers
 run with ``--skip-tokenizer-init`` and get token ids):
@@ -39,12 +45,13 @@ DDTREE --speculative-ddtree-budget N --speculative-ddtree-topk-cap K``) -- and c
   counted as a numerical near-tie (reported, not a failure): bf16 verify and
   decode kernels round differently;
 * ``concurrent_vs_sequential``: the same 32 requests sent at once == one by one;
-* ``sampled_distribution``: under temperature/top-p, the first tokens produced
-  by speculative verify steps (output positions 1 and 2, and the pair 0-1)
-  against the no-spec server's, by a two-sample chi-square test per prompt
-  (Bonferroni over all tests of a mode at ``--alpha``); DFLASH is run through
-  the same test as a control;
-* ``throughput``: output tokens/s (client wall clock) at concurrency 1 and 8,
+* ``sampled_distribution``: under temperature/top-p, the tokens produced by
+  speculative verify steps (every output position up to ``--sampled-positions``,
+  8 by default: deeper tree nodes as the position grows, and the pair 0-1)
+  against the no-spec server's, by a two-sample chi-square test per prompt and
+  position (Bonferroni over all tests of a mode at ``--alpha``); DFLASH is run
+  through the same test as a control;
+* ``throughput``: output tokens/s (client wall clock) at concurrency 1, 8 and 32,
   greedy and sampled, with ``meta_info.spec_accept_length`` and
   ``/server_info`` ``internal_states[0].avg_spec_accept_length``, beside DFLASH.
 
@@ -507,13 +514,16 @@ def check_model_files(model_dir: pathlib.Path, expected: dict) -> dict:
 class ServerOptions:
     python: str = sys.executable
     dtype: str = "bfloat16"
-    budget: int = 32
-    topk_cap: int = 8
+    budget: int = 16  # CT200's tree
+    topk_cap: int = 4
     block_size: int = 16
     mem_fraction_static: float = 0.4
     context_length: int = 4096
-    cuda_graph_max_bs: int = 32
-    max_running_requests: int = 64
+    # CT200's shape: graphs up to 8 requests, batches up to 48, so the 32 requests sent at once
+    # (and the throughput's concurrency 32) run eager batches past the largest graph
+    cuda_graph_max_bs: int = 8
+    max_running_requests: int = 48
+    tp: int = 1
     disable_radix_cache: bool = True
     extra_args: tuple = ()
     ddtree_extra_args: tuple = ()
@@ -534,6 +544,8 @@ def server_command(mode: str, models: BuiltModels, port: int, opts: ServerOption
            "--cuda-graph-max-bs-decode", str(opts.cuda_graph_max_bs),
            "--max-running-requests", str(opts.max_running_requests),
            "--random-seed", "0"]
+    if opts.tp > 1:
+        cmd += ["--tp-size", str(opts.tp)]
     if opts.disable_radix_cache:
         cmd.append("--disable-radix-cache")
     if mode != "nospec":
@@ -882,7 +894,8 @@ def run_mode(url: str, mode: str, vocab: int, args, res: dict | None = None) -> 
     res["phase"] = "sampled"
 
     # sampled first tokens: batched requests of 64
-    samp = {"temperature": args.temperature, "top_p": args.top_p, "max_new_tokens": 3, "ignore_eos": True}
+    samp = {"temperature": args.temperature, "top_p": args.top_p, "max_new_tokens": args.sampled_positions,
+            "ignore_eos": True}
     if args.top_k:
         samp["top_k"] = args.top_k
     res["sampled"] = []
@@ -928,7 +941,7 @@ def throughput(url: str, vocab: int, args) -> list[dict]:
     for label, samp in (("greedy", {"temperature": 0.0}),
                         ("sampled", {"temperature": args.temperature, "top_p": args.top_p})):
         samp = {**samp, "max_new_tokens": args.perf_tokens, "ignore_eos": True}
-        for conc in (1, 8):
+        for conc in (1, 8, 32):  # 32: past the largest graph batch (8)
             def one(p, samp=samp):
                 resp = generate(url, p, samp, args.request_timeout)
                 return len(_output_ids(resp)), resp.get("meta_info", {}).get("spec_accept_length")
@@ -956,14 +969,16 @@ def _mean(xs):
 
 
 def sampled_tests(ref: dict, got: dict, alpha: float) -> dict:
-    """Two-sample chi-square per prompt on output positions 1 and 2 (tokens of
-    speculative verify steps), position 0 (prefill; sanity) and the pair 0-1."""
+    """Two-sample chi-square per prompt on every output position the requests have (0: the
+    prefill's, a sanity check; 1 on: tokens of speculative verify steps, deeper nodes of the tree
+    as the position grows) and the pair 0-1."""
     tests = []
     for pi, (a, b) in enumerate(zip(ref["sampled"], got["sampled"], strict=True)):
-        for label, key in (("pos0", lambda o: o[0]), ("pos1", lambda o: o[1]), ("pos2", lambda o: o[2]),
-                           ("pair01", lambda o: (o[0], o[1]))):
-            xa = [key(o) for o in a["outputs"] if len(o) >= 3]
-            xb = [key(o) for o in b["outputs"] if len(o) >= 3]
+        n = min(len(o) for o in a["outputs"] + b["outputs"])
+        keys = [(f"pos{j}", lambda o, j=j: o[j]) for j in range(n)] + [("pair01", lambda o: (o[0], o[1]))]
+        for label, key in keys:
+            xa = [key(o) for o in a["outputs"]]
+            xb = [key(o) for o in b["outputs"]]
             r = chi_square_two_sample(xa, xb)
             tests.append({"prompt": pi, "statistic": label, **r})
     n_tests = len(tests)
@@ -1057,7 +1072,7 @@ def evaluate(target: str, results: dict, checks: Checks, args) -> None:
 
         detail = "; ".join(
             f"{samp} c{conc}: " + ", ".join(f"{m} {tps(m, samp, conc)}" for m in MODES if tps(m, samp, conc))
-            for samp in ("greedy", "sampled") for conc in (1, 8))
+            for samp in ("greedy", "sampled") for conc in (1, 8, 32))
         checks.add(target, "throughput", "all", "measured", detail + " tok/s", perf)
 
 
@@ -1066,13 +1081,17 @@ def evaluate(target: str, results: dict, checks: Checks, args) -> None:
 # ---------------------------------------------------------------------------
 
 
-def gpu_available() -> tuple[bool, str]:
+def gpu_available(tp: int = 1) -> tuple[bool, str]:
+    """Whether ``tp`` GPUs are visible, and what they are (or why not)."""
     try:
         import torch
 
-        if torch.cuda.is_available():
-            return True, torch.cuda.get_device_name(0)
-        return False, "torch.cuda.is_available() is False"
+        if not torch.cuda.is_available():
+            return False, "torch.cuda.is_available() is False"
+        n = torch.cuda.device_count()
+        if n < tp:
+            return False, f"{n} GPU(s) visible, --tp {tp} needs {tp}"
+        return True, f"{tp} x {torch.cuda.get_device_name(0)}" if tp > 1 else torch.cuda.get_device_name(0)
     except ImportError:
         smi = shutil.which("nvidia-smi")
         return (smi is not None), ("nvidia-smi present, torch missing" if smi else "no torch, no nvidia-smi")
@@ -1116,8 +1135,16 @@ def parse_args(argv=None):
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--python", default=sys.executable, help="interpreter with sglang 0.5.23 + the patch set")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    ap.add_argument("--budget", type=int, default=32)
-    ap.add_argument("--topk-cap", type=int, default=8)
+    ap.add_argument("--budget", type=int, default=16, help="DDTREE budget (CT200's: 16)")
+    ap.add_argument("--topk-cap", type=int, default=4, help="DDTREE top-k cap (CT200's: 4)")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor parallel size of every server (--tp-size); needs that many visible GPUs")
+    ap.add_argument("--cuda-graph-max-bs", type=int, default=8,
+                    help="largest decode graph batch; requests sent together beyond it run eager batches")
+    ap.add_argument("--max-running-requests", type=int, default=48)
+    ap.add_argument("--sampled-positions", type=int, default=8,
+                    help="output positions per sampled request tested against the no-spec server "
+                         "(0 is the prefill's; 1 on are speculative steps, at tree depths up to the block)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--mem-fraction-static", type=float, default=0.4)
     ap.add_argument("--extra-server-args", default="", help="appended to every launch (split on spaces)")
@@ -1158,10 +1185,12 @@ def main(argv=None) -> int:
             raise SystemExit(f"unknown mode {m!r}; known: {', '.join(MODES)}")
     opts = ServerOptions(python=args.python, dtype=args.dtype, budget=args.budget, topk_cap=args.topk_cap,
                          block_size=args.block_size, mem_fraction_static=args.mem_fraction_static,
+                         tp=args.tp, cuda_graph_max_bs=args.cuda_graph_max_bs,
+                         max_running_requests=args.max_running_requests,
                          disable_radix_cache=not args.keep_radix_cache,
                          extra_args=tuple(args.extra_server_args.split()),
                          ddtree_extra_args=tuple(args.ddtree_server_args.split()))
-    has_gpu, gpu = gpu_available()
+    has_gpu, gpu = gpu_available(args.tp)
     meta = {"started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "gpu": gpu,
             "python": opts.python, "targets": targets, "modes": modes, "dtype": args.dtype,
             "budget": args.budget, "topk_cap": args.topk_cap, "block_size": args.block_size,

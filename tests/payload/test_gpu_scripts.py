@@ -458,7 +458,9 @@ def test_command_lines(gsc, tiny_models):
         assert _flag(cmd, "--attention-backend") == "triton"
         assert _flag(cmd, "--page-size") == "1"
         assert "--disable-cuda-graph" not in cmd and "--disable-decode-cuda-graph" not in cmd
-        assert _flag(cmd, "--cuda-graph-max-bs-decode") == "32"
+        assert _flag(cmd, "--cuda-graph-max-bs-decode") == "8"  # CT200's graphs; batches up to 48
+        assert _flag(cmd, "--max-running-requests") == "48"
+        assert "--tp-size" not in cmd
         assert cmd[-2:] == ["--log-level", "warning"]
     assert not any(a.startswith("--speculative") for a in cmds["nospec"])
     d = cmds["dflash"]
@@ -471,6 +473,9 @@ def test_command_lines(gsc, tiny_models):
     assert _flag(t, "--speculative-ddtree-budget") == "48"
     assert _flag(t, "--speculative-ddtree-topk-cap") == "6"
     assert _flag(t, "--speculative-draft-model-path") == str(m.draft)
+    tp2 = gsc.server_command("ddtree", m, 1, gsc.ServerOptions(tp=2))
+    assert _flag(tp2, "--tp-size") == "2"
+    assert _flag(tp2, "--speculative-ddtree-budget") == "16" and _flag(tp2, "--speculative-ddtree-topk-cap") == "4"
     extra = gsc.server_command("ddtree", m, 1, gsc.ServerOptions(ddtree_extra_args=("--x-flag",)))
     assert "--x-flag" in extra and "--x-flag" not in gsc.server_command(
         "dflash", m, 1, gsc.ServerOptions(ddtree_extra_args=("--x-flag",)))
@@ -541,19 +546,30 @@ def test_sampled_tests_on_synthetic_outputs(gsc):
     p = {3: 0.5, 4: 0.3, 5: 0.2}
     q = {3: 0.7, 4: 0.2, 5: 0.1}
 
-    def outs(dist_later, n):
-        return [[rng.choices(list(p), weights=list(p.values()))[0]]
-                + rng.choices(list(dist_later), weights=list(dist_later.values()), k=2) for _ in range(n)]
+    def outs(n, later=p, deep=None, positions=8):
+        """Position 0 from p, then ``later``; from position 5 on ``deep`` (when given)."""
+        rows = []
+        for _ in range(n):
+            o = [rng.choices(list(p), weights=list(p.values()))[0]]
+            for j in range(1, positions):
+                d = deep if deep is not None and j >= 5 else later
+                o.append(rng.choices(list(d), weights=list(d.values()))[0])
+            rows.append(o)
+        return rows
 
-    ref = {"sampled": [{"outputs": outs(p, 1500)}, {"outputs": outs(p, 1500)}]}
-    same = {"sampled": [{"outputs": outs(p, 1500)}, {"outputs": outs(p, 1500)}]}
-    biased = {"sampled": [{"outputs": outs(q, 1500)}, {"outputs": outs(p, 1500)}]}
+    ref = {"sampled": [{"outputs": outs(1500)}, {"outputs": outs(1500)}]}
+    same = {"sampled": [{"outputs": outs(1500)}, {"outputs": outs(1500)}]}
+    biased = {"sampled": [{"outputs": outs(1500, later=q)}, {"outputs": outs(1500)}]}
     ok = gsc.sampled_tests(ref, same, 1e-3)
-    assert ok["ok"] and len(ok["tests"]) == 8
+    assert ok["ok"] and len(ok["tests"]) == 2 * (8 + 1)  # positions 0-7 and the pair, per prompt
     bad = gsc.sampled_tests(ref, biased, 1e-3)
     assert not bad["ok"] and bad["min_p"] < 1e-10
     flagged = {(t["prompt"], t["statistic"]) for t in bad["tests"] if t["p_value"] < bad["bonferroni_threshold"]}
     assert (0, "pos1") in flagged and (0, "pos0") not in flagged
+    # a bias only deep in the tree (positions 5 on) is caught too, where positions 1-2 saw none
+    deep = gsc.sampled_tests(ref, {"sampled": [{"outputs": outs(1500, deep=q)}, {"outputs": outs(1500)}]}, 1e-3)
+    flagged = {t["statistic"] for t in deep["tests"] if t["p_value"] < deep["bonferroni_threshold"]}
+    assert not deep["ok"] and "pos6" in flagged and not {"pos1", "pos2"} & flagged, flagged
 
 
 # ---------------------------------------------------------------------------
@@ -704,7 +720,7 @@ def test_orchestration_records_a_server_that_dies(gsc, tmp_path, fake_sglang, mo
 
 
 def test_no_gpu_means_not_run(gsc, tmp_path, monkeypatch):
-    monkeypatch.setattr(gsc, "gpu_available", lambda: (False, "none here"))
+    monkeypatch.setattr(gsc, "gpu_available", lambda tp=1: (False, "none here"))
     rc = gsc.main(["--out", str(tmp_path), "--work-dir", str(tmp_path / "work"), "--targets", "llama",
                    "--python", sys.executable])
     doc = json.loads((tmp_path / "gpu_server_check.json").read_text())
@@ -712,6 +728,16 @@ def test_no_gpu_means_not_run(gsc, tmp_path, monkeypatch):
     not_run = [r for r in doc["checks"] if r["status"] == "not run" and "no GPU" in r["detail"]]
     assert len(not_run) == len(gsc.MODES)
     assert set(doc["meta"]["commands"]) == {f"llama/{m}" for m in gsc.MODES}
+
+
+def test_tp_needs_as_many_visible_gpus(gsc, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "Some GPU")
+    assert gsc.gpu_available(1) == (True, "Some GPU")
+    assert gsc.gpu_available(2) == (False, "1 GPU(s) visible, --tp 2 needs 2")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert gsc.gpu_available(2) == (True, "2 x Some GPU")
 
 
 @pytest.mark.sandbox  # starts and stops a server process group

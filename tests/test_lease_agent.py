@@ -142,6 +142,9 @@ def test_idle_past_the_lease_the_agent_heals_once_moves_the_generation_and_lets_
     after = file_holder(state)
     assert after["generation"] == 2 and after["lease_expired"] and after["token"] == "t1"
     assert after["heal"]["recorded"] and not after["healing"]
+    # the host waited out the whole lease after it last heard from the controller, by its own clock
+    assert after["expired_at"] - after["last_heard_at"] >= LEASE_S - 0.01, after
+    assert after["last_heard_at_utc"] <= after["expired_at_utc"]
     assert lock_facts(state) is None  # free: the flock went with the agent
     got = lock(b, state, "t2", user="bob")
     assert got["acquired"] and got["holder"]["generation"] == 3

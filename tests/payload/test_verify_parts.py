@@ -32,9 +32,10 @@ def da():
     return ddtree_args
 
 
-def _run_ranks(dv, logits: torch.Tensor, tp: int, k: int):
+def _run_ranks(dv, logits: torch.Tensor, tp: int, k: int, sent: list | None = None):
     """Each TP rank in its own thread with its vocabulary shard (SGLang's layout: equal padded
-    shards, the last one shorter); `gather` is an all-gather through a barrier."""
+    shards, the last one shorter); `gather` is an all-gather through a barrier. ``sent`` gets
+    (rank, shape, dtype) of every tensor a rank gathers."""
     vocab = logits.shape[1]
     shard = -(-vocab // tp)
     slots: list = [None] * tp
@@ -43,6 +44,8 @@ def _run_ranks(dv, logits: torch.Tensor, tp: int, k: int):
 
     def rank(r: int) -> None:
         def gather(t: torch.Tensor) -> torch.Tensor:
+            if sent is not None:
+                sent.append((r, tuple(t.shape), t.dtype))
             slots[r] = t
             barrier.wait()
             out = torch.stack(list(slots))
@@ -76,6 +79,15 @@ def test_sharded_topk_equals_the_full_vocabulary_topk_on_every_rank(dv, vocab, t
         assert torch.allclose(lp[:, :n], want_lp, atol=1e-5)
         assert torch.equal(ids[:, :n], want_ids)
         assert torch.isneginf(lp[:, n:]).all()  # past a vocabulary smaller than k: never selected
+
+
+def test_the_sharded_topk_crosses_ranks_in_one_gather(dv):
+    """k values, k ids and the log-sum-exp of each row, packed: one collective per draft step,
+    not 2.1's three."""
+    sent: list = []
+    logits = torch.randn(7, 1003, generator=torch.Generator().manual_seed(3))
+    _run_ranks(dv, logits, 4, 8, sent)
+    assert sorted(sent, key=lambda x: x[0]) == [(r, (7, 2 * 8 + 1), torch.float32) for r in range(4)]
 
 
 def test_sharded_topk_would_be_wrong_without_the_global_normaliser(dv):

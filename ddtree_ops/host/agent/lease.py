@@ -60,8 +60,13 @@ def expire(lock, lease, how, heal_fn=heal):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     step = _journal_step(lock.state_dir)
     why = "controller lost at %s: %s" % (step or "no step (nothing changed yet)", how % lease.lease_s)
+    now = time.time()
+    # When the controller was last heard from, on the host's wall clock: an operator (and a test)
+    # reads how long the host waited from the record itself, not from when the controller died.
+    last_heard_at = now - (lease.clock() - lease.renewed_at)
     record = dict(lock.holder, generation=int(lock.holder.get("generation") or 0) + 1, lease_expired=True,
-                  lease_s=lease.lease_s, expired_at=time.time(), expired_at_utc=_utc(), lost_at_step=step, why=why,
+                  lease_s=lease.lease_s, last_heard_at=last_heard_at, last_heard_at_utc=_utc(last_heard_at),
+                  expired_at=now, expired_at_utc=_utc(now), lost_at_step=step, why=why,
                   healing=True, agent_pid=os.getpid())
     write_holder(lock.fd, record)
     try:
@@ -82,5 +87,5 @@ def _journal_step(state):
     return journal.get("step") if isinstance(journal, dict) else None
 
 
-def _utc():
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+def _utc(at=None):
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))

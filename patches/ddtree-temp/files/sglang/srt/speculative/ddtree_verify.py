@@ -271,7 +271,7 @@ def vocab_parallel_topk_logprobs(
     excluded), token ids ``vocab_start + column``. ``gather(t)`` stacks a tensor
     from every rank (``[tp, *t.shape]``, e.g. through ``all_gather_into_tensor``);
     ``None`` means TP 1. Only ``k`` values, ``k`` ids and one log-sum-exp per row
-    cross ranks. Every rank gathers the same data and runs the same ``topk``, so
+    cross ranks, in one gather (``[T, 2k + 1]`` float32). Every rank gathers the same data and runs the same ``topk``, so
     all ranks build the same tree; the values equal ``draft_topk_logprobs`` on
     the full logits (on exact ties the chosen ids may differ from it, as
     ``torch.topk`` does not order ties). Entries beyond the vocabulary (a
@@ -293,9 +293,13 @@ def vocab_parallel_topk_logprobs(
         idx = torch.cat([idx, idx.new_zeros((rows, k - kk))], dim=1)
     if gather is None:
         return vals[:, :kk] - lse.unsqueeze(1), idx[:, :kk]
-    g_vals = gather(vals)  # [tp, T, k]
-    g_idx = gather(idx)
-    g_lse = gather(lse)  # [tp, T]
+    # One collective, not three: values, ids and the log-sum-exp packed as
+    # float32 rows (ids are exact in float32 below 2**24, as SGLang's own
+    # row-argmax gather carries them).
+    assert int(vocab_start) + v_local < 2**24, "token ids must be exact in float32"
+    packed = torch.cat([vals, idx.to(torch.float32), lse.unsqueeze(1)], dim=1)  # [T, 2k + 1]
+    g = gather(packed)  # [tp, T, 2k + 1]
+    g_vals, g_idx, g_lse = g[..., :k], g[..., k:2 * k].to(torch.int64), g[..., 2 * k]
     tp = g_vals.shape[0]
     total_lse = torch.logsumexp(g_lse, dim=0)
     cand_vals = g_vals.permute(1, 0, 2).reshape(rows, tp * k)

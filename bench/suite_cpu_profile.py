@@ -44,6 +44,25 @@ def pytest_configure(config):
     _state.update(cgroup=cgroup, worker=worker, out=open(pathlib.Path(out) / f"{worker}.jsonl", "a"))
 
 
+def pytest_unconfigure(config):
+    """Back to the parent cgroup, and the worker's own one removed (the last one out removes the
+    root): nothing is left under /sys/fs/cgroup by a finished run."""
+    if "cgroup" not in _state:
+        return
+    _state["out"].close()
+    (CGROUP_ROOT.parent / "cgroup.procs").write_text(str(os.getpid()))
+    try:
+        _state["cgroup"].rmdir()
+    except OSError:  # a process a test left running is still in it
+        pass
+    if _state["worker"] == "main":  # the workers have ended by now: their folders are gone
+        for folder in [*CGROUP_ROOT.glob("gw*"), CGROUP_ROOT]:
+            try:
+                folder.rmdir()
+            except OSError:
+                pass
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     cpu0, t0 = _usage_s(), time.time()

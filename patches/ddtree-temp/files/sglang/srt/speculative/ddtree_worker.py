@@ -348,10 +348,12 @@ def _build_worker_cls() -> type:
             sampling._jit_sampling_module(math.gcd(4, int(self.model_config.vocab_size)), True)
 
         def prewarm_sampling(self):
-            """Rehearse the sampled tree verify at its largest batch, so the
-            probability tensors ``eagle_sample`` allocates (``[bs, W, V]`` float32:
-            the softmax, its top-p renormalisation, the zero draft_probs) are
-            reserved at start-up instead of failing under traffic."""
+            """Rehearse the sampled tree verify as upstream rehearses DFLASH's (at
+            the largest graph batch, W rows a request, with its out-of-memory
+            fallback), so the probability tensors ``eagle_sample`` allocates
+            (``[bs, W, V]`` float32: the softmax, its top-p renormalisation, the
+            zero draft_probs) are reserved at start-up instead of failing under
+            traffic; the tree verify's JIT modules are loaded first."""
             from sglang.kernels.ops.sampling import softmax as sampling_softmax
             from sglang.kernels.ops.sampling.renorm import top_p_renorm_prob
             from sglang.srt.environ import envs

@@ -271,8 +271,9 @@ def vocab_parallel_topk_logprobs(
     excluded), token ids ``vocab_start + column``. ``gather(t)`` stacks a tensor
     from every rank (``[tp, *t.shape]``, e.g. through ``all_gather_into_tensor``);
     ``None`` means TP 1. Only ``k`` values, ``k`` ids and one log-sum-exp per row
-    cross ranks, in one gather (``[T, 2k + 1]`` float32). Every rank gathers the same data and runs the same ``topk``, so
-    all ranks build the same tree; the values equal ``draft_topk_logprobs`` on
+    cross ranks, in one gather (``[T, 2k + 1]`` float32). Every rank gathers the
+    same data and runs the same ``topk``, so all ranks build the same tree; the
+    values equal ``draft_topk_logprobs`` on
     the full logits (on exact ties the chosen ids may differ from it, as
     ``torch.topk`` does not order ties). Entries beyond the vocabulary (a
     vocabulary smaller than k) are -inf, which the tree builder never selects.

@@ -735,6 +735,24 @@ def test_ctrl_c_while_connecting_removes_the_temp_folder(tmp_path, good, tmpdir,
         lsock.close()
 
 
+def test_a_transport_threads_error_log_never_reaches_the_operators_stderr():
+    """Why the test above once failed (a fresh clone, SIGTERM): the signal closed the socket while
+    paramiko's transport thread read the banner; the thread logged "Error reading SSH protocol
+    banner" with its traceback, and with no handler configured Python's last-resort handler put it
+    on stderr. The CLI now gives paramiko's loggers a NullHandler. A race there; here the log call
+    itself, in a fresh interpreter (pytest configures logging in this one), with the CLI's set-up
+    and without it (the control)."""
+    code = ("import logging, sys\n"
+            "if sys.argv[1] == 'cli':\n"
+            "    from ddtree_ops.cli.commands import keep_library_logs_off_stderr\n"
+            "    keep_library_logs_off_stderr()\n"
+            "logging.getLogger('paramiko.transport').error('Exception (client): Error reading SSH protocol banner')\n")
+    for mode, printed in (("cli", ""), ("bare", "Error reading SSH protocol banner\n")):
+        r = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, timeout=60,
+                           stdin=subprocess.DEVNULL)
+        assert r.returncode == 0 and r.stderr.endswith(printed) and bool(r.stderr) == bool(printed), (mode, r.stderr)
+
+
 def test_random_corruption_is_always_a_bundle_error_never_a_crash(tmp_path, good):
     """Byte flips, cuts and splices in the compressed file and in the tar inside it."""
     rng = random.Random(1100)

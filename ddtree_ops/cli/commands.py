@@ -594,11 +594,22 @@ _register_commands()
 register_meta(app)  # --version, `completion`, the defaults file (cmd_meta.py); listed last
 
 
+def keep_library_logs_off_stderr() -> None:
+    """Paramiko logs its transport thread's errors, tracebacks included (a banner read cut short
+    when Ctrl-C or SIGTERM closes the socket under it), and configures no handler, so Python's
+    last-resort handler printed them on the operator's stderr beside the tool's own message. The
+    tool says every failure itself, in its own words; a NullHandler keeps the library's logs in."""
+    import logging
+
+    logging.getLogger("paramiko").addHandler(logging.NullHandler())
+
+
 def main(hooks: Hooks = NO_HOOKS) -> None:
     """The `ddtree-ops` command. `hooks`: only the test rig passes any (ddtree_ops.testing.hooked_cli).
     SIGTERM and SIGHUP end it the way Ctrl-C does (signals.py)."""
     from .signals import signals_as_interrupts, typer_swallowed
 
+    keep_library_logs_off_stderr()
     mount_plugins_for(sys.argv[1:])
     with signals_as_interrupts():
         try:

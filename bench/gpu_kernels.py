@@ -87,6 +87,7 @@ as failed with its error.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import importlib.util
 import itertools
@@ -110,6 +111,8 @@ import warnings
 sys.dont_write_bytecode = True
 
 import torch  # noqa: E402
+from torch.overrides import TorchFunctionMode  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAYLOAD_FILES = ROOT / "patches" / "ddtree-temp" / "files"
@@ -365,62 +368,42 @@ def _reads_by_mask(func, args) -> bool:
     return any(isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8) for t in indices or ())
 
 
-class _CpuHostReadGuard:
-    """The CPU run's sync-debug "error": nothing syncs on a CPU, so these modes refuse the reads
-    that would sync on a GPU, and a CPU run catches a helper that would trip the GPU check."""
+class _HostReadFunctions(TorchFunctionMode):
+    """Tensor methods that hand a value to the host (``tolist``, ``item``, ...), refused."""
 
-    def __enter__(self):
-        from torch.overrides import TorchFunctionMode
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        class Dispatch(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                name = func.overloadpacket.__name__
-                if name in _HOST_READ_OPS or _reads_by_mask(func, args):
-                    raise HostReadError(f"aten.{name} reads a device value on the host in a checked region")
-                return func(*args, **(kwargs or {}))
-
-        class Function(TorchFunctionMode):
-            def __torch_function__(self, func, types, args=(), kwargs=None):
-                name = getattr(func, "__name__", "")
-                if name in _HOST_READ_METHODS and getattr(func, "__objclass__", None) is not None:
-                    raise HostReadError(f"Tensor.{name}() reads a device value on the host in a checked region")
-                return func(*args, **(kwargs or {}))
-
-        self._modes = [Function(), Dispatch()]
-        for m in self._modes:
-            m.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        for m in reversed(self._modes):
-            m.__exit__(*exc)
-        return False
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in _HOST_READ_METHODS and getattr(func, "__objclass__", None) is not None:
+            raise HostReadError(f"Tensor.{name}() reads a device value on the host in a checked region")
+        return func(*args, **(kwargs or {}))
 
 
-class sync_checked:
+class _HostReadDispatch(TorchDispatchMode):
+    """The aten ops that read a value on the host (``_HOST_READ_OPS``, mask indexing), refused."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in _HOST_READ_OPS or _reads_by_mask(func, args):
+            raise HostReadError(f"aten.{name} reads a device value on the host in a checked region")
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def sync_checked(cuda: bool):
     """A region in which reading a device value on the host is an error: CUDA's sync-debug
-    "error" mode on a GPU, `_CpuHostReadGuard` on a CPU. Whatever the region needs from the
-    host (a size, a count) is read before it starts."""
-
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
-        self._guard = None
-
-    def __enter__(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-        else:
-            self._guard = _CpuHostReadGuard().__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self.cuda:
+    "error" mode on a GPU; on a CPU, where nothing syncs, the two modes above refuse the same
+    reads, so a CPU run catches a helper that would trip the GPU check. Whatever the region
+    needs from the host (a size, a count) is read before it starts."""
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
             torch.cuda.set_sync_debug_mode(0)
-        else:
-            self._guard.__exit__(*exc)
-        return False
+    else:
+        with _HostReadFunctions(), _HostReadDispatch():
+            yield
 
 
 def count_sync_warnings(fn):

@@ -758,7 +758,6 @@ class DeferredShardLogits:
 
     def deferred_argmax(self, logits):
         import sglang.srt.layers.logits_processor as lp_module
-        from sglang.srt.layers.logits_processor import LogitsProcessor
         from sglang.srt.runtime_context import get_parallel
 
         self.gathers["row_maxima"] += 1
@@ -770,7 +769,7 @@ class DeferredShardLogits:
         # (bench/compile_targets.py compiles the kernel itself for both chips).
         real, lp_module.softcap_row_argmax = lp_module.softcap_row_argmax, _softcap_row_argmax_torch
         try:
-            return LogitsProcessor.deferred_argmax(self, logits)
+            return lp_module.LogitsProcessor.deferred_argmax(self, logits)
         finally:
             lp_module.softcap_row_argmax = real
 

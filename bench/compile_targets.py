@@ -21,10 +21,12 @@ compiled kernel's own figure (``metadata.shared``).
 The kernels (``TREE_PATH``): the target verify's extend attention with the tree mask (MLA as
 Kimi K2.6 / DeepSeek-V3 per TP rank, Lq 576 / Lv 512, at W 17 and 65, and a GQA MHA at W 65;
 bf16, the verify mask uint8 at every batch size), the verify and draft windows' cache locations
-(``assign_extend_cache_locs``, also behind ``fill_front_out_cache_loc_func``), the accepted
-nodes' cache locations (``fill_accept_out_cache_loc``) and, for a model with a final logit
-softcap under TP, the greedy verify's row maxima (``softcap_row_argmax``). The MLA pool's accepted-KV move is a
-torch loop, not a Triton kernel.
+(``assign_extend_cache_locs``, also behind ``fill_front_out_cache_loc_func``), the accept's
+bookkeeping (the patch set's ``_ddtree_commit_kernel``: the committed block, the KV move's lists,
+the front rows' indices) and its one-launch KV move (``_ddtree_move_kv_kernel``, MLA rows) and,
+for a model with a final logit
+softcap under TP, the greedy verify's row maxima (``softcap_row_argmax``). (0.5.23's own MLA pool moves KV in a torch
+loop over its layers; the patch set's move kernel replaces it for the tree's accepted path.)
 
 Limits (CUDA C Programming Guide, technical specifications per compute capability): shared
 memory per block 227 KB (232,448 B) on 9.0, 99 KB (101,376 B) on 12.0; 255 registers per
@@ -122,7 +124,7 @@ def compile_only(target: Target, compiled: list):
     ``compiled`` instead of running; SGLang's kernel modules see the platform of that chip."""
     import triton
     from sglang.kernels.ops.attention import extend_attention
-    from sglang.kernels.ops.speculative import cache_locs, eagle
+    from sglang.kernels.ops.speculative import cache_locs
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
@@ -141,7 +143,6 @@ def compile_only(target: Target, compiled: list):
             stack.enter_context(_attrs(JITFunction, run=run))
             stack.enter_context(_attrs(extend_attention, _is_cuda=True, CUDA_CAPABILITY=capability))
             stack.enter_context(_attrs(cache_locs, _is_cuda=True, _is_cpu=False))
-            stack.enter_context(_attrs(eagle, _is_cpu=False))
             yield
     finally:
         driver._active = saved
@@ -196,7 +197,7 @@ def _attention_launches(block_override=None, fresh_mask_dtype=None, only=None):
 
 
 def _index_launches():
-    from sglang.kernels.ops.speculative import cache_locs, eagle
+    from sglang.kernels.ops.speculative import cache_locs
 
     bs, W, block, width = 8, 17, 16, 512
     rtt = torch.arange(bs * width, dtype=torch.int32).view(bs, width)
@@ -213,17 +214,19 @@ def _index_launches():
             req_pool_indices=rpi, req_to_token=rtt, start_offset=prefix, end_offset=prefix + block,
             batch_size=bs, draft_token_num=block, device="cpu")
 
-    def accept_move():  # move_accept_tokens_to_target_kvcache's two index kernels
-        accept_index = torch.zeros(bs, W, dtype=torch.int32)
-        out_cache_loc = torch.arange(bs * W, dtype=torch.int64)
-        size = accept_index.numel()
-        cache_locs.fill_front_out_cache_loc_func(torch.ones(bs, dtype=torch.int64), out_cache_loc,
-                                                 torch.zeros(size, dtype=torch.int64))
-        eagle.fill_accept_out_cache_loc_func(accept_index, out_cache_loc, torch.zeros(size, dtype=torch.int64),
-                                             size)
+    def accept_move():  # ddtree_commit_step: the commit, the KV move's lists, the front rows
+        verify = _patch_set_module("ddtree_verify")
+        accept_index = torch.zeros(bs, block, dtype=torch.int32)  # S = max depth + 1
+        verify.ddtree_commit_step(torch.zeros(bs * W, dtype=torch.int32), accept_index,
+                                  torch.ones(bs, dtype=torch.int32), torch.arange(bs * W, dtype=torch.int64),
+                                  prefix, block, use_triton=True)
+        # the one-launch move over Kimi K2.6's MLA rows (latent 512 + rope 64, bf16) per layer
+        layers = [torch.zeros(64, 1, 576, dtype=torch.bfloat16) for _ in range(2)]
+        moves = torch.zeros(bs * block, dtype=torch.int64)
+        verify.move_kv_rows(verify.kv_move_table(layers), moves, moves, block)
 
     return [("cache locs: verify window", verify_window), ("cache locs: draft block", draft_block),
-            ("cache locs: accepted nodes", accept_move)]
+            ("accept: commit and KV move lists", accept_move)]
 
 
 def _greedy_launches():

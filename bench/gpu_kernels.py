@@ -594,6 +594,51 @@ def step_tree_step_unit(device, budget, cap, depth, vocab, seed, cuda: bool):
     return res
 
 
+def step_accept_kernels(device, seed, cuda: bool):
+    """The accept's two Triton kernels (payload 2.2) on the device against their plain-torch
+    step: ``ddtree_commit_step`` on random walks (paths in place, padded, every length) and the
+    one-launch KV move on bf16 buffers shaped as Kimi K2.6's MLA rows (latent 512 + rope 64)
+    against a gather-then-scatter, both under the sync check. On a CPU only the torch path
+    runs (the kernels need CUDA here), so the unit compares torch with torch: recorded so."""
+    from sglang.srt.speculative import ddtree_verify as dv
+
+    gen = torch.Generator().manual_seed(seed)
+    use_triton = cuda and dv.triton is not None
+    checks = []
+    for bs, W, S, width in ((1, 17, 16, 16), (8, 17, 16, 16), (33, 17, 16, 16)):
+        num = torch.randint(0, S, (bs,), generator=gen)
+        accept_index = torch.full((bs, S), -1, dtype=torch.int32)
+        for b in range(bs):
+            nodes = sorted(torch.randperm(W - 1, generator=gen)[: int(num[b])].add(1).tolist())
+            if b % 3 == 0:
+                nodes = list(range(1, int(num[b]) + 1))  # already in place
+            accept_index[b, : len(nodes) + 1] = torch.tensor([0] + nodes, dtype=torch.int32) + b * W
+        args = [torch.randint(0, 1000, (bs * W,), dtype=torch.int32, generator=gen), accept_index,
+                (num + 1).to(torch.int32), torch.randperm(4 * bs * W, generator=gen)[: bs * W],
+                torch.randint(1, 200, (bs,), generator=gen)]
+        dev_args = [a.to(device) for a in args]
+        with sync_checked(cuda):
+            got = dv.ddtree_commit_step(*dev_args, width, use_triton=use_triton)
+        want = dv.ddtree_commit_step(*args, width, use_triton=False)
+        equal = all(torch.equal(g.cpu(), w) for g, w in zip(got, want, strict=True))
+        moved = None
+        if use_triton:
+            slots = 4 * bs * W
+            bufs = [torch.randn(slots, 1, 576, generator=gen).to(torch.bfloat16).to(device) for _ in range(3)]
+            ref = [b.clone() for b in bufs]
+            with sync_checked(cuda):
+                dv.move_kv_rows(dv.kv_move_table(bufs), got.kv_tgt, got.kv_src, S)
+            for r in ref:
+                r[got.kv_tgt] = r[got.kv_src].clone()
+            moved = all(torch.equal(a, b) for a, b in zip(bufs, ref, strict=True))
+        checks.append({"bs": bs, "commit_equal": equal, "move_equal": moved})
+    ok = all(c["commit_equal"] and c["move_equal"] in (True, None) for c in checks)
+    return {"status": "ok" if ok else "failed", "triton": use_triton, "checks": checks,
+            "summary": (f"commit {'kernel' if use_triton else 'torch path'} and "
+                        f"{'the one-launch move' if use_triton else 'no move (CPU)'} "
+                        f"{'equal' if ok else 'NOT equal'} to the torch step")}
+
+
 # ---------------------------------------------------------------------------
 # Step 2: timing
 # ---------------------------------------------------------------------------
@@ -1911,6 +1956,7 @@ def main(argv=None):
                 lambda b=unit_budget, k=unit_cap: step_tree_step_unit(
                     device, b, k, depth, vocab if cuda else 64, args.seed, cuda),
                 min_time_s=15)
+    rec.run("accept_kernels", lambda: step_accept_kernels(device, args.seed, cuda))
     run_tree_attention_steps(rec, args, device, cuda)
     rec.run("timing", lambda: step_timing(rec, device, configs, args.seed, reps, args.repeats, not cuda),
             min_time_s=20)

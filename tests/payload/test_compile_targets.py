@@ -47,12 +47,12 @@ def test_every_tree_path_kernel_compiles_for_both_chips_within_their_limits(comp
     rows = compiled["rows"]
     sites = {r["site"] for r in rows}
     assert {f"extend_attention {MLA}", "extend_attention mla_h16_w65", "extend_attention mha_h8_kv2_d128_w65",
-            "cache locs: verify window", "cache locs: draft block", "cache locs: accepted nodes",
+            "cache locs: verify window", "cache locs: draft block", "accept: commit and KV move lists",
             "greedy verify: row maxima (deferred gather)"} == sites
     for target in ("sm_90", "sm_120"):
         assert {r["site"] for r in _by(rows, target=target)} == sites, target
-    assert {r["kernel"] for r in _by(rows, site="cache locs: accepted nodes", target="sm_120")} == {
-        "assign_extend_cache_locs", "fill_accept_out_cache_loc"}
+    assert {r["kernel"] for r in _by(rows, site="accept: commit and KV move lists", target="sm_120")} == {
+        "_ddtree_commit_kernel", "_ddtree_move_kv_kernel"}
     for r in rows:
         assert r["over"] == [], r
         assert 0 <= r["shared_bytes"] <= r["shared_limit"] and 0 < r["registers"] <= 255, r

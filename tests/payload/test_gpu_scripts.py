@@ -124,6 +124,9 @@ def test_smoke_cpu_parts_computed(smoke):
     assert tv["status"] == "ok" and len(tv["reference"]) == 5
     assert all(r["match"] for r in tv["reference"])
     assert tv["kernel_status"] == "skipped: no CUDA"
+    a = steps["accept_kernels"]  # on a CPU: the commit's torch path only, said so
+    assert a["status"] == "ok" and a["triton"] is False and "torch path" in a["summary"], a
+    assert [c["commit_equal"] for c in a["checks"]] == [True] * 3
     t = steps["timing"]
     assert t["status"] == "ok" and len(t["rows"]) >= 1
     for row in t["rows"]:

@@ -153,6 +153,8 @@ def prewarm(oom_on_measure):
     saved = {key: getattr(*key) for key in fakes}
     for (module, name), fake in fakes.items():
         setattr(module, name, fake)
+    # the accept's Triton kernels: test_commit_kernel warms them for real
+    worker.ddtree_warm_accept_kernels = loaded("ddtree_accept_kernels")
     try:
         result = worker.prewarm_sampling()
         calls["result"] = [result.sampling_input_bytes, result.sampling_headroom_bytes]
@@ -254,4 +256,5 @@ def test_the_tree_step_graphs_capture_thread_local(replays):
 def test_the_tree_verifys_jit_modules_are_loaded_at_start_up(replays):
     """Before the server says ready: the greedy tree verify's module and the tree sampler at
     this vocabulary's vector size (gcd(4, 32) = 4), deterministic as eagle_sample calls it."""
-    assert replays["prewarm"]["jit_modules"] == [["speculative_tree"], ["speculative_sampling", 4, True]]
+    assert replays["prewarm"]["jit_modules"] == [["speculative_tree"], ["speculative_sampling", 4, True],
+                                                 ["ddtree_accept_kernels"]]

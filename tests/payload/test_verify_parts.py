@@ -257,3 +257,25 @@ def test_a_processor_is_history_reading_when_its_code_names_the_request_or_its_t
     for cls in (_ThinkingBudgetLike, _HistoryInANestedHelper, _HistoryInAnInheritedHelper, _HistoryInAProperty):
         assert da.reads_request_history(cls), cls.__name__
 
+
+
+def test_the_commit_step_derives_block_lengths_moves_and_front_rows_from_the_walk(dv):
+    """``ddtree_commit_step`` (plain torch here): the committed block and bonus as
+    ``ddtree_commit_tokens``, lengths = prefix + commit, one KV move per path entry (the k-th
+    accepted node's slot to the k-th window slot, everything else onto itself) and the front
+    rows ``front_rows`` gathers."""
+    W, block = 5, 4
+    accept_index = torch.tensor([[0, 2, 4], [5, -1, -1]], dtype=torch.int32)
+    accept_lens = torch.tensor([3, 1], dtype=torch.int32)
+    predict = torch.arange(100, 100 + 2 * W, dtype=torch.int32)
+    loc = torch.arange(50, 50 + 2 * W, dtype=torch.int64)
+    step = dv.ddtree_commit_step(predict, accept_index, accept_lens, loc, torch.tensor([7, 9]), block,
+                                 use_triton=False)
+    assert step.out_tokens.tolist() == [[100, 102, 104, 0], [105, 0, 0, 0]]
+    assert step.commit_lens.tolist() == [3, 1] and step.bonus.tolist() == [104, 105]
+    assert step.new_seq_lens.tolist() == [10, 10]
+    assert list(zip(step.kv_tgt.tolist(), step.kv_src.tolist(), strict=True)) == [
+        (50, 50), (51, 52), (52, 54), (55, 55), (56, 56), (57, 57)]
+    x = torch.arange(2 * W, dtype=torch.float32).view(-1, 1)
+    front = x.index_select(0, step.front_index).masked_fill_(step.front_drop.unsqueeze(1), 0)
+    assert front.view(-1).tolist() == dv.front_rows(x, accept_index, block).view(-1).tolist()

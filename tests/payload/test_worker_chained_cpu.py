@@ -119,7 +119,7 @@ def run_chain(*, budget, cap, block, prefixes, steps, mutation=None):
     from sglang.srt.model_executor.model_runner import ModelRunnerOutput
     from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
     from sglang.srt.sampling.sampling_params import SamplingParams
-    from sglang.srt.speculative import ddtree_worker, spec_utils
+    from sglang.srt.speculative import ddtree_worker
     from sglang.srt.speculative.ddtree_kv import ddtree_decode_reserve
     from sglang.srt.speculative.ddtree_worker import DDTreeConfig, get_ddtree_worker_cls
     from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
@@ -127,16 +127,12 @@ def run_chain(*, budget, cap, block, prefixes, steps, mutation=None):
 
     V, MASK, L, HD = wf.V, wf.MASK_ID, wf.TARGET_LAYERS, wf.HEAD_DIM
     wf._setup_runtime(budget, cap, block, MODEL)
-    wf._patch_kernels(False)
+    wf._patch_kernels(mutation == "no_kv_move")  # the mutation: the accepted-KV move skipped
     accepted = []  # per step: accept_index rows (global node ids, -1 padded)
     wf.record_accepts(accepted)
 
-    real_move = spec_utils.move_accept_tokens_to_target_kvcache
-    if mutation == "no_kv_move":  # the worker class binds it when built: rebuild
-        spec_utils.move_accept_tokens_to_target_kvcache = lambda *a, **k: None
     ddtree_worker._WORKER_CLS = None
     cls = get_ddtree_worker_cls()
-    spec_utils.move_accept_tokens_to_target_kvcache = real_move
 
     cfg = DDTreeConfig(budget, cap, block)
     W = cfg.verify_width

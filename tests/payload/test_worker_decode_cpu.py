@@ -160,6 +160,7 @@ def check_scenario(out: dict) -> None:
 def test_ddtree_decode_step_real_pools(name, tmp_path, sglang_overlay):  # noqa: F811
     case = CASES[name]
     out = _run(tmp_path, sglang_overlay, case)
+    assert out["result"]["triton_block"], "DFlash's Triton block kernel ran (no fallback)"
     check_scenario(out)
     check_calls(out)
     check_result(out)
@@ -227,14 +228,44 @@ def test_a_chain_moves_no_kv_and_leaves_every_accepted_node_in_place(tmp_path, s
     code = f"""
     sys.path.insert(0, {str(HERE)!r})
     import worker_fakes  # first: sets TRITON_INTERPRET / SGLANG_NATIVE_MOVE_KV_CACHE
-    OUT.update(worker_fakes.run_case(model=MODEL, index_kernels="checked", **{CHAIN!r}))
+    OUT.update(worker_fakes.run_case(model=MODEL, index_kernels="checked", triton_block=False, **{CHAIN!r}))
     """
     out = run_sglang(code, tmp_path, sglang_overlay, timeout=300, triton_interpret=True)
     lens = sorted({len(o) for o in out["expect"]["out"]})
     assert lens[0] == 1 and lens[-1] == CHAIN["block"], lens  # rejected at the root and accepted whole
     assert all(ids == list(range(len(ids))) for ids in out["expect"]["ids"]), out["expect"]["ids"]
+    assert out["result"]["triton_block"] is False  # DFlash's eager block fallback, here
     index = out["result"]["kernels"]["index"]
-    assert "fill_accept_out_cache_loc" not in index and index.get("assign_extend_cache_locs"), index
+    assert index.get("kv_moves", 0) == 0 and index.get("assign_extend_cache_locs"), index
     check_result(out)
     check_draft_kv_append(out)
     check_kv(out)
+
+
+# -- the draft head's top-k inside the draft graph ----------------------------------------------
+
+
+def test_the_top_k_head_in_the_draft_graph_builds_the_eager_heads_trees(tmp_path, sglang_overlay):  # noqa: F811
+    """The worker's ``_maybe_build_draft_sampler`` (the head DFlashWorkerV2 folds into the draft
+    graph) run where the graph runs it: a greedy batch and a tempered one commit what the
+    reference walk commits on the reference trees, which the fake target checks node by node
+    (the tempered tree at each request's temperature, the greedy one untempered)."""
+    # test_worker_sampled_cpu's nucleus setting (its tree loses nodes) and a temperature that
+    # reorders the best-first tree: both differ from the untempered tree the greedy row keeps
+    sampled = {"budget": 8, "cap": 3, "block": 5, "host_mirror": True, "prefixes": [6] * 3, "bonus": [23] * 3,
+               "ranks": [[0]] * 3, "sampling": [{"temperature": 0.7, "top_p": 0.9}, {}, {"temperature": 2.5}]}
+    code = f"""
+    sys.path.insert(0, {str(HERE)!r})
+    import worker_fakes  # first: sets TRITON_INTERPRET / SGLANG_NATIVE_MOVE_KV_CACHE
+    OUT["greedy"] = worker_fakes.run_case(model=MODEL, draft_graph=True, **{CASES["b8-cap3-block5"]!r})
+    OUT["sampled"] = worker_fakes.run_case(model=MODEL, draft_graph=True, **{sampled!r})
+    """
+    out = run_sglang(code, tmp_path, sglang_overlay, timeout=300, triton_interpret=True)
+    check_scenario(out["greedy"])
+    check_result(out["greedy"])
+    check_kv(out["greedy"])
+    exp = out["sampled"]["expect"]
+    assert exp["trees"][1] == exp["untempered_trees"][1]
+    assert exp["trees"][0] != exp["untempered_trees"][0] and exp["trees"][2] != exp["untempered_trees"][2]
+    assert out["sampled"]["calls"]["target"] == 1 and all(exp["walk_valid"]), exp["walk_valid"]
+    check_kv(out["sampled"])

@@ -228,9 +228,9 @@ def check_step(out: dict) -> None:
     # (test_sampler_inputs_meet_the_cuda_kernel_contract), nothing new
     assert all(v.startswith(KNOWN_VIOLATION) for v in k["contract_violations"]), k["contract_violations"]
     assert [r.split(":")[0] for r in k["renorm"]] == ["top_k", "top_p"]
-    # SGLang's cache-location kernels ran: both, at each of their launch sites (the draft block's
-    # and the verify's locations, the front and accepted slots of the KV move)
-    assert k["index"]["assign_extend_cache_locs"] >= 3 and k["index"]["fill_accept_out_cache_loc"] >= 1, k["index"]
+    # SGLang's cache-location kernel ran for the verify's locations (the draft block's come from
+    # DFlash's block kernel), and the accepted-KV move once (the commit kernel made its lists)
+    assert k["index"]["assign_extend_cache_locs"] >= 1 and k["index"]["kv_moves"] == 1, k["index"]
     assert all(exp["walk_valid"]), [b for b, ok in enumerate(exp["walk_valid"]) if not ok]
     check_calls(out)
     check_result(out)
@@ -253,7 +253,6 @@ def test_sampled_step_commits_a_consistent_walk(runs, which):
             assert not any(":" in name for name in k), k  # the PyTorch versions alone
         else:
             assert k["assign_extend_cache_locs:checked"] == k["assign_extend_cache_locs"], k
-            assert k["fill_accept_out_cache_loc:checked"] == k["fill_accept_out_cache_loc"], k
             assert not any(name.endswith(":differed") for name in k), k
     if which == "triton":  # SGLang's ROCm renorm, interpreted, against the PyTorch one
         k = outs[0]["result"]["kernels"]

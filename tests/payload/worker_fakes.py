@@ -420,6 +420,7 @@ class _IndexKernel:
 
 
 _TRITON_INDEX_KERNELS: dict = {}  # module attribute -> SGLang's Triton kernel, as first imported
+_REAL: dict = {}  # functions wrapped per run_case, as first imported (wrapped once, not per case)
 
 
 def _patch_index_kernels(mode: str, calls: dict) -> None:
@@ -446,7 +447,7 @@ def _patch_index_kernels(mode: str, calls: dict) -> None:
 
 def _patch_kernels(no_kv_move: bool, index_kernels: str = "triton", calls: dict | None = None):
     from sglang.kernels.ops.speculative import cache_locs
-    from sglang.srt.speculative import eagle_utils, spec_utils
+    from sglang.srt.speculative import eagle_utils
     from sglang.srt.speculative.ddtree_utils import verify_tree_greedy_reference
 
     # assign_extend_cache_locs_func: take its Triton branch (TRITON_INTERPRET runs it).
@@ -465,8 +466,19 @@ def _patch_kernels(no_kv_move: bool, index_kernels: str = "triton", calls: dict 
         return predicts, accept_index, accept_token_num
 
     eagle_utils.verify_tree_greedy_func = verify_tree_greedy_func
-    if no_kv_move:  # mutation: a worker that skips the KV move (bound at class build)
-        spec_utils.move_accept_tokens_to_target_kvcache = lambda *a, **k: None
+    # The accepted-KV move (the payload's one-launch kernel, interpreted): counted; the
+    # mutation skips it.
+    from sglang.srt.speculative import ddtree_verify
+
+    real_move = _REAL.setdefault("move_accepted_kv", ddtree_verify.move_accepted_kv)
+
+    def move_accepted_kv(pool, tgt_loc, src_loc, per_request):
+        if calls is not None:
+            calls["kv_moves"] = calls.get("kv_moves", 0) + 1
+        if not no_kv_move:
+            real_move(pool, tgt_loc, src_loc, per_request)
+
+    ddtree_verify.move_accepted_kv = move_accepted_kv
 
 
 def _patch_sampling(mutation: str | None, renorm: str, kernel_calls: dict):
@@ -827,6 +839,13 @@ def make_worker(cls, *, cfg, block, mask_id, dev, lm_weight, embed, model_config
             model_draft_parallel_spec(None, spec_algorithm=SpeculativeAlgorithm.DFLASH),
             collapse_cp=True),
         _target_logits_processor=None, _selector_sample=None, _tp_sync=SpecTpSync(get_dp_tp_group()),
+        _draft_sampler=None,
+        # DFlashWorkerV2.__init__'s block state: its buffers, grown on first use, and its
+        # Triton block kernel (Triton's interpreter here; run_case(triton_block=False): the
+        # eager fallback)
+        _draft_block_ids_buf=None, _draft_block_positions_buf=None, _draft_block_tokens_buf=None,
+        _draft_verify_out_cache_loc_buf=None, _draft_block_end_buf=None, _draft_seq_lens_cpu_buf=None,
+        _use_triton_prepare_block=True,
         _append_target_hidden_to_draft_kv_by_loc=append_draft_kv,
         selector=None, lilicorr=None, _is_domino=False, _need_mamba_verify_commit=False,
     )
@@ -838,7 +857,8 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
              sampling=None, bonus=None, mutation: str | None = None, renorm: str = "torch",
              req_kwargs=None, extra_args=(), worker_mutation: str | None = None,
              grammar_probe: bool = False, verify_mask_bs: int = 0, graph_bs=(),
-             profile: bool = False, index_kernels: str = "triton", deferred_gather: bool = False) -> dict:
+             profile: bool = False, index_kernels: str = "triton", deferred_gather: bool = False,
+             draft_graph: bool = False, triton_block: bool = True) -> dict:
     """Build pools, batch and worker, run one ``ddtree_decode``; return what the
     test checks (plain lists) and the reference's expectations.
 
@@ -866,7 +886,11 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
     "captured" for those batch sizes with :class:`launch_count.ReplayedCall`;
     ``profile``: the step runs under torch's profiler and
     ``result["launches"]`` counts the tree work's launches
-    (``launch_count.count_launches``). ``index_kernels``: how SGLang's Triton
+    (``launch_count.count_launches``). ``draft_graph``: the draft forward runs "as its
+    graph", which runs the worker's in-graph top-k head (``_maybe_build_draft_sampler``, as
+    the draft runner's capture hook calls it) and says ``can_run_graph``; the worker reads
+    the head's outputs instead of running its eager top-k. ``triton_block``: the draft block
+    from DFlash's Triton kernel (else its eager fallback). ``index_kernels``: how SGLang's Triton
     index kernels run (:func:`_patch_index_kernels`; their launches, and the
     compared ones that differed, in ``result["kernels"]["index"]``)."""
     server_args = _setup_runtime(budget, cap, block, model, extra_args)
@@ -1141,9 +1165,11 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
         assert draft_translator.write_ids(fb).tolist() == fb.out_cache_loc.long().tolist()
         hs = torch.stack([draft_hidden(int(ids[b, 0]), int(pos[b, j])).float()
                           for b in range(bs) for j in range(block)])
+        if draft_graph:  # what the draft runner's capture tail hook runs inside the graph
+            worker._draft_sampler(hs, fb.input_ids)
         return ModelRunnerOutput(
             logits_output=LogitsProcessorOutput(next_token_logits=None, hidden_states=hs),
-            can_run_graph=False,
+            can_run_graph=draft_graph,
         )
 
     def append_draft_kv(**kw):
@@ -1157,6 +1183,14 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
         append_draft_kv=append_draft_kv,
     )
 
+    if draft_graph:
+        from sglang.srt.runtime_context import get_exec
+
+        graph_batches = list(get_exec().graph.cuda_graph_config.decode.bs)
+        assert max(graph_batches) >= bs, (graph_batches, bs)  # the head's static rows hold the batch
+        worker._draft_sampler = worker._maybe_build_draft_sampler()
+        assert worker._draft_sampler is not None, "no in-graph head for a dense LM head"
+    worker._use_triton_prepare_block = triton_block
     gathers = {"full": 0, "row_maxima": 0}
     if deferred_gather:
         worker._target_logits_processor = DeferredShardLogits(V, gathers)
@@ -1231,6 +1265,7 @@ def run_case(*, model: str, budget: int, cap: int, block: int, prefixes, ranks,
             "grammar_log": grammar_log,
             "launches": launches,
             "verify_gathers": gathers,
+            "triton_block": bool(worker._use_triton_prepare_block),
             "graph_bs": list(worker.ddtree_tree_runner().capture_bs)
             if hasattr(worker, "ddtree_tree_runner") else None,  # 2.0 had no tree unit
         },

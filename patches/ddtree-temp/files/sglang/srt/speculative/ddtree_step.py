@@ -63,9 +63,17 @@ class DDTreeStepRunner:
         self.capture_bs: list = []
         self._graphs: dict = {}
         self._static = None
+        self._ones = False  # the static top_k / top_p hold 1 in every row (known on the host)
+        self._top_buffers = None  # the draft head's outputs, adopted as the static top_lp / top_ids
         self._retrieve_index = torch.zeros((0, self.width), dtype=torch.int64, device=self.device)
 
     # -- capture ------------------------------------------------------------
+    def adopt_top_buffers(self, top_lp: torch.Tensor, top_ids: torch.Tensor) -> None:
+        """Use the draft head's static outputs (``[rows, K]``, rows >= max_bs * L) as the
+        graphs' ``top_lp`` / ``top_ids`` inputs, so a step whose head ran inside the draft
+        graph copies nothing into them. Before :meth:`capture`."""
+        self._top_buffers = (top_lp, top_ids)
+
     def capture(self, capture_bs: Sequence[int], graph_factory: Callable[[], object]) -> None:
         """One graph per batch size (largest first, so a shared memory pool
         holds the largest working set once). Needs the mask buffer: the graphs
@@ -82,9 +90,16 @@ class DDTreeStepRunner:
 
     def _make_static(self, max_bs: int) -> dict:
         dev, L, K, W = self.device, self.draft_len, self.topk_cap, self.width
+        top_lp = torch.full((max_bs, L, K), float("-inf"), dtype=torch.float32, device=dev)
+        top_ids = torch.zeros((max_bs, L, K), dtype=torch.int64, device=dev)
+        if self._top_buffers is not None:
+            lp, ids = self._top_buffers
+            if lp.shape[0] >= max_bs * L and lp.shape[1] == K and ids.shape == lp.shape:
+                top_lp, top_ids = lp[: max_bs * L].view(max_bs, L, K), ids[: max_bs * L].view(max_bs, L, K)
+        self._ones = True
         return {
-            "top_lp": torch.full((max_bs, L, K), float("-inf"), dtype=torch.float32, device=dev),
-            "top_ids": torch.zeros((max_bs, L, K), dtype=torch.int64, device=dev),
+            "top_lp": top_lp,
+            "top_ids": top_ids,
             "top_k": torch.ones((max_bs,), dtype=torch.int64, device=dev),
             "top_p": torch.ones((max_bs,), dtype=torch.float32, device=dev),
             "bonus": torch.zeros((max_bs,), dtype=torch.int64, device=dev),
@@ -153,17 +168,28 @@ class DDTreeStepRunner:
         *,
         mask_numel: Callable[[], int],
     ):
-        """Returns ``(DDTreeStepOut with [bs, W] tensors, mask)``. ``mask_numel``
-        sizes a fresh mask when the batch does not fit the buffer (it may read
-        host lengths; it is not called otherwise)."""
+        """Returns ``(DDTreeStepOut with [bs, W] tensors, mask)``. ``top_k`` /
+        ``top_p`` None: every row unrestricted and untempered (an all-greedy batch,
+        the raw tree distribution). ``mask_numel`` sizes a fresh mask when the
+        batch does not fit the buffer (it may read host lengths; it is not called
+        otherwise). Inputs already in the static buffers (the draft head's
+        outputs, :meth:`adopt_top_buffers`) are not copied."""
         bs = int(top_lp.shape[0])
         gbs = self.graph_bs(bs)
         if gbs is not None:
             s = self._static
-            s["top_lp"][:bs].copy_(top_lp)
-            s["top_ids"][:bs].copy_(top_ids)
-            s["top_k"][:bs].copy_(top_k)
-            s["top_p"][:bs].copy_(top_p)
+            for name, t in (("top_lp", top_lp), ("top_ids", top_ids)):
+                if t.data_ptr() != s[name].data_ptr():
+                    s[name][:bs].copy_(t)
+            if top_k is None:
+                if not self._ones:  # after a sampled batch: ones again, once
+                    s["top_k"].fill_(1)
+                    s["top_p"].fill_(1.0)
+                    self._ones = True
+            else:
+                s["top_k"][:bs].copy_(top_k)
+                s["top_p"][:bs].copy_(top_p)
+                self._ones = False
             s["bonus"][:bs].copy_(bonus)
             s["prefix"][:bs].copy_(prefix_lens)
             if gbs > bs:
@@ -178,6 +204,9 @@ class DDTreeStepRunner:
             mask = self.mask_buffer
         else:
             mask = torch.empty((int(mask_numel()),), dtype=self.mask_dtype, device=self.device)
+        if top_k is None:
+            top_k = torch.ones((bs,), dtype=torch.int64, device=self.device)
+            top_p = torch.ones((bs,), dtype=torch.float32, device=self.device)
         out = ddtree_tree_step(top_lp, top_ids, top_k, top_p, bonus, prefix_lens, mask,
                                self.budget, self.topk_cap)
         return out, mask

@@ -29,9 +29,16 @@ same step in plain torch): :func:`ddtree_accept`, :func:`ddtree_commit`,
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple, Optional, Tuple
 
 import torch
+
+try:  # the accept's one kernel (ddtree_commit_step); the CPU paths need no Triton
+    import triton
+    import triton.language as tl
+except ImportError:  # the test hosts' stand-in server imports this module without it
+    triton = None
 
 from sglang.srt.speculative.ddtree_utils import (
     DDTree,
@@ -394,3 +401,228 @@ def restrict_draft_logprobs(
     norm = torch.where(closed, kept_mass, pp).clamp(min=torch.finfo(lp.dtype).tiny).log()
     out = torch.where(keep & in_k, (lp_k - norm).clamp(max=0.0), ninf)
     return torch.where(sampled.view(bs, 1, 1), out, lp)
+
+
+# ---------------------------------------------------------------------------
+# The accept's bookkeeping as one kernel (2.2): commit, KV moves, front rows
+# ---------------------------------------------------------------------------
+
+
+class DDTreeCommitStep(NamedTuple):
+    out_tokens: torch.Tensor  # int64 [bs, width], path order, 0 past the path
+    commit_lens: torch.Tensor  # int32 [bs] = accepted drafts + 1
+    bonus: torch.Tensor  # int64 [bs], the last committed token (next root)
+    new_seq_lens: torch.Tensor  # int64 [bs] = prefix + commit_lens
+    kv_tgt: torch.Tensor  # int64 [bs * S]: the k-th window slot of each request
+    kv_src: torch.Tensor  # int64 [bs * S]: the k-th accepted node's slot (the slot itself past the path)
+    front_index: torch.Tensor  # int64 [bs * width]: the k-th accepted node's row (the root's past it)
+    front_drop: torch.Tensor  # bool [bs * width]: k past the path (its front row is zeroed)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _ddtree_commit_kernel(
+        predict, accept_index, accept_lens, out_cache_loc, prefix_lens,
+        out_tokens, commit_lens, bonus, new_seq_lens, kv_tgt, kv_src, front_index, front_drop,
+        W, S, WIDTH, BLOCK_S: tl.constexpr, BLOCK_WIDTH: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        num = tl.load(accept_lens + b).to(tl.int64) - 1  # accepted drafts
+        k = tl.arange(0, BLOCK_S)
+        in_s = k < S
+        idx = tl.load(accept_index + b * S + k, mask=in_s, other=-1).to(tl.int64)
+        live = in_s & (k <= num) & (idx >= 0)
+        # the KV move: node idx (a global row b*W + i) to the k-th slot of the window
+        tgt = tl.load(out_cache_loc + b * W + tl.minimum(k, W - 1), mask=in_s, other=0)
+        src = tl.load(out_cache_loc + idx, mask=live & (k < W), other=0)
+        src = tl.where(live & (k < W), src, tgt)
+        tl.store(kv_tgt + b * S + k, tgt, mask=in_s)
+        tl.store(kv_src + b * S + k, src, mask=in_s)
+        # the committed block, in path order, and the front rows for the draft-KV append
+        j = tl.arange(0, BLOCK_WIDTH)
+        in_w = j < WIDTH
+        jdx = tl.load(accept_index + b * S + j, mask=in_w & (j < S), other=-1).to(tl.int64)
+        jlive = in_w & (j < S) & (j <= num) & (jdx >= 0)
+        tok = tl.load(predict + jdx, mask=jlive, other=0).to(tl.int64)
+        tok = tl.where(jlive, tok, 0)
+        tl.store(out_tokens + b * WIDTH + j, tok, mask=in_w)
+        tl.store(front_index + b * WIDTH + j, tl.where(jlive, jdx, b * W), mask=in_w)
+        tl.store(front_drop + b * WIDTH + j, jlive == 0, mask=in_w)
+        last = tl.sum(tl.where(j == num, tok, 0), axis=0)
+        tl.store(bonus + b, last)
+        tl.store(commit_lens + b, (num + 1).to(tl.int32))
+        tl.store(new_seq_lens + b, tl.load(prefix_lens + b).to(tl.int64) + num + 1)
+
+
+def _commit_step_torch(predict, accept_index, accept_lens, out_cache_loc, prefix_lens, width):
+    """:func:`ddtree_commit_step` in plain torch (the same outputs, many small kernels)."""
+    bs, s = accept_index.shape
+    w = out_cache_loc.numel() // bs
+    commit = ddtree_commit(predict, accept_index, accept_lens.long() - 1, width)
+    tgt, src = accept_kv_moves(out_cache_loc, accept_index, accept_lens.long() - 1)
+    n = min(s, width)
+    idx = torch.full((bs, width), -1, dtype=torch.int64, device=accept_index.device)
+    live = (torch.arange(n, device=accept_index.device).unsqueeze(0) <= commit.accept_num.unsqueeze(1)) & (
+        accept_index[:, :n] >= 0)
+    idx[:, :n] = torch.where(live, accept_index[:, :n].long(), idx[:, :n])
+    keep = idx >= 0
+    root = (torch.arange(bs, device=idx.device) * w).unsqueeze(1).expand(bs, width)
+    return DDTreeCommitStep(
+        commit.out_tokens, commit.commit_lens, commit.bonus,
+        prefix_lens.long() + commit.commit_lens.long(), tgt, src,
+        torch.where(keep, idx, root).reshape(-1), ~keep.reshape(-1),
+    )
+
+
+def ddtree_commit_step(
+    predict: torch.Tensor,
+    accept_index: torch.Tensor,
+    accept_lens: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    width: int,
+    *,
+    use_triton: Optional[bool] = None,
+) -> DDTreeCommitStep:
+    """Everything the accept derives from ``eagle_sample``'s outputs (``predict`` [bs*W],
+    ``accept_index`` [bs, S] global rows -1 padded, ``accept_lens`` = accepted drafts + 1) in
+    one launch, as DFLASH's accept is one (``_compute_dflash_accept_bonus_triton``): the
+    committed block (:func:`ddtree_commit_tokens`), the new lengths, the KV moves for
+    ``pool.move_kv_cache(kv_tgt, kv_src)`` (:func:`accept_kv_moves`: a node already at its slot,
+    and every entry past the path, moves onto itself) and the rows :func:`front_rows` gathers
+    (``x[front_index]`` with the ``front_drop`` rows zeroed). ``use_triton``: the Triton kernel (default:
+    on a CUDA device, or under ``TRITON_INTERPRET=1``); else the same in plain torch."""
+    bs, s = accept_index.shape
+    # The kernel indexes by these shapes unchecked: a mismatch is an error, never a wild read.
+    if bs and (accept_lens.numel() != bs or prefix_lens.numel() != bs or out_cache_loc.numel() % bs
+               or predict.numel() < out_cache_loc.numel() or s > out_cache_loc.numel() // bs):
+        raise ValueError(
+            f"ddtree_commit_step: accept_index {tuple(accept_index.shape)}, accept_lens {accept_lens.numel()}, "
+            f"prefix_lens {prefix_lens.numel()}, out_cache_loc {out_cache_loc.numel()}, predict {predict.numel()}")
+    if use_triton is None:
+        use_triton = triton is not None and (
+            predict.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+    if not use_triton:
+        return _commit_step_torch(predict, accept_index, accept_lens, out_cache_loc, prefix_lens, width)
+    dev = predict.device
+    out = DDTreeCommitStep(
+        torch.empty((bs, width), dtype=torch.int64, device=dev),
+        torch.empty((bs,), dtype=torch.int32, device=dev),
+        torch.empty((bs,), dtype=torch.int64, device=dev),
+        torch.empty((bs,), dtype=torch.int64, device=dev),
+        torch.empty((bs * s,), dtype=torch.int64, device=dev),
+        torch.empty((bs * s,), dtype=torch.int64, device=dev),
+        torch.empty((bs * width,), dtype=torch.int64, device=dev),
+        torch.empty((bs * width,), dtype=torch.bool, device=dev),
+    )
+    if bs == 0:
+        return out
+    _ddtree_commit_kernel[(bs,)](
+        predict, accept_index, accept_lens, out_cache_loc, prefix_lens, *out,
+        out_cache_loc.numel() // bs, s, width,
+        BLOCK_S=triton.next_power_of_2(s), BLOCK_WIDTH=triton.next_power_of_2(width),
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------
+# The accepted-KV move: every layer in one launch, rows already in place skipped
+# ---------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _ddtree_move_kv_kernel(
+        data_ptrs, strides, tgt_loc, src_loc, num_locs, chunk,
+        CHUNK_UPPER: tl.constexpr, WORDS_PER_TILE: tl.constexpr,
+    ):
+        # SGLang's copy_all_layer_kv_cache_tiled (one program per layer buffer and tile of a
+        # row; every row of its list loaded before any is stored, so a path's
+        # gather-then-scatter is exact), with three changes: 4-byte words, not bytes; the list
+        # cut in chunks of whole requests (a move never crosses requests), so the kernel
+        # compiles once per server; and an entry whose source is its target moves nothing.
+        buf = tl.program_id(0)
+        tile = tl.program_id(1)
+        start = tl.program_id(2) * chunk
+        stride = tl.load(strides + buf)  # words per row
+        base = tl.cast(tl.load(data_ptrs + buf), tl.pointer_type(tl.int32))
+        word = tile * WORDS_PER_TILE + tl.arange(0, WORDS_PER_TILE)
+        i = start + tl.arange(0, CHUNK_UPPER)
+        in_list = (i < num_locs) & (i < start + chunk)
+        src = tl.load(src_loc + i, mask=in_list, other=0)
+        tgt = tl.load(tgt_loc + i, mask=in_list, other=0)
+        mask = (in_list & (src != tgt))[:, None] & (word < stride)[None, :]
+        vals = tl.load(base + src[:, None] * stride + word[None, :], mask=mask)
+        tl.store(base + tgt[:, None] * stride + word[None, :], vals, mask=mask)
+
+
+def _kv_buffers(pool):
+    """The per-layer buffers a move must cover, or None where the pool keeps more (scales,
+    an indexer, a paged layout): those pools move with their own ``move_kv_cache``."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+
+    if type(pool) is MLATokenToKVPool:
+        return list(pool.kv_buffer)
+    if type(pool) is MHATokenToKVPool and not getattr(pool, "use_hnd", False) and all(
+        getattr(pool, name, None) is None for name in ("k_scale_buffer", "native_k_scale_buffer")
+    ):
+        return list(pool.k_buffer) + list(pool.v_buffer)
+    return None
+
+
+def kv_move_table(buffers):
+    """``(data_ptrs, row_words, words_per_tile, tiles)`` for per-layer ``[slots, ...]`` buffers
+    (:func:`move_kv_rows`), or ``()`` where a row is not whole 4-byte words; the buffers must
+    outlive it (a pool's do)."""
+    rows = [b.stride(0) * b.element_size() for b in buffers]
+    if any(r % 4 for r in rows) or any(b.data_ptr() % 4 for b in buffers):
+        return ()
+    dev = buffers[0].device
+    words = [r // 4 for r in rows]
+    tile = min(32, triton.next_power_of_2(max(words)))  # 128 B, SGLang's tile for rows under 4 KB
+    return (torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=dev),
+            torch.tensor(words, dtype=torch.int64, device=dev), tile, -(-max(words) // tile))
+
+
+def _move_table(pool):
+    """The pool's :func:`kv_move_table`, built once (``()`` for a pool it cannot cover)."""
+    table = getattr(pool, "_ddtree_move_table", None)
+    if table is None:
+        buffers = _kv_buffers(pool)
+        table = kv_move_table(buffers) if buffers else ()
+        pool._ddtree_move_table = table
+    return table or None
+
+
+# requests per program of the move: a chunk of whole requests, compiled once per server
+MOVE_CHUNK_REQUESTS = 4
+
+
+def move_accepted_kv(pool, tgt_loc: torch.Tensor, src_loc: torch.Tensor, per_request: int) -> None:
+    """``pool.move_kv_cache(tgt_loc, src_loc)`` for the accepted paths of a tree step, whose
+    lists hold ``per_request`` entries a request (:func:`ddtree_commit_step`): one launch for
+    every layer (0.5.23's MLA pool moves layer by layer in torch: two launches per layer, 122 on
+    Kimi K2.6), and a row already at its slot (an in-place node, an entry past the path) reads
+    and writes nothing. Pools with more than plain per-layer rows, and a host without Triton,
+    take the pool's own move."""
+    n = int(tgt_loc.numel())
+    use_triton = triton is not None and (tgt_loc.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+    table = _move_table(pool) if use_triton and n else None
+    if table is None:
+        pool.move_kv_cache(tgt_loc, src_loc)
+        return
+    move_kv_rows(table, tgt_loc, src_loc, per_request)
+
+
+def move_kv_rows(table, tgt_loc: torch.Tensor, src_loc: torch.Tensor, per_request: int) -> None:
+    """The move kernel itself over a :func:`kv_move_table`: row ``src_loc[i]`` of every buffer
+    to row ``tgt_loc[i]``, gather then scatter within each chunk of whole requests (a
+    request's entries never span two chunks), rows whose source is their target untouched."""
+    ptrs, rows, tile, tiles = table
+    n = int(tgt_loc.numel())
+    chunk = int(per_request) * MOVE_CHUNK_REQUESTS
+    _ddtree_move_kv_kernel[(ptrs.numel(), tiles, -(-n // chunk))](
+        ptrs, rows, tgt_loc, src_loc, n, chunk,
+        CHUNK_UPPER=triton.next_power_of_2(chunk), WORDS_PER_TILE=tile,
+    )

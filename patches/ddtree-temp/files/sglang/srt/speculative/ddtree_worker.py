@@ -167,8 +167,70 @@ def host_prefix_bound(seq_lens_cpu, nxt_kv_lens_cpu, context_len: int, block_siz
     return torch.clamp(nxt_kv_lens_cpu.to(torch.int64), max=int(context_len) + int(block_size))
 
 
+class DDTreeDraftHead:
+    """The draft head's per-depth top-k log-probs folded into the draft CUDA graph, as
+    ``DFlashWorkerV2`` folds its greedy head (``_DflashDraftSampler``, a draft-runner
+    ``capture_tail_hooks`` entry): the LM head matmul, the tempered log-softmax top-k and its
+    one packed all-gather run inside the draft graph's replay, into static outputs. Each
+    request's inverse temperature is staged before the replay (:meth:`stage`); rows the tree
+    scores untempered (greedy requests, ``--speculative-ddtree-tree-distribution raw``) carry
+    1.0, which leaves the log-probs bit for bit as the untempered computation gives them."""
+
+    def __init__(self, *, weight, block_size: int, num_org: int, vocab_start: int, k: int,
+                 max_bs: int, tp_group=None):
+        self.weight = weight
+        self.block_size = int(block_size)
+        self.num_org, self.vocab_start, self.k = int(num_org), int(vocab_start), int(k)
+        self.tp_group = tp_group
+        rows = int(max_bs) * (self.block_size - 1)
+        device = weight.device
+        # -inf / 0 until the first replay: a graph batch's padding rows read them
+        self.lp = torch.full((rows, self.k), float("-inf"), dtype=torch.float32, device=device)
+        self.ids = torch.zeros((rows, self.k), dtype=torch.int64, device=device)
+        self.inv_temperature = torch.ones((int(max_bs),), dtype=torch.float32, device=device)
+        self._all_ones = True  # what the staged buffer holds, known on the host
+
+    def stage(self, bs: int, inv_temperature: Optional[torch.Tensor]) -> None:
+        """Before the replay: ``inv_temperature`` [bs] (None: untempered), no host read."""
+        if inv_temperature is not None:
+            self.inv_temperature[:bs].copy_(inv_temperature)
+            self._all_ones = False
+        elif not self._all_ones:
+            self.inv_temperature.fill_(1.0)
+            self._all_ones = True
+
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        tp = int(self.tp_group.world_size)
+        out = torch.empty((tp * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+        self.tp_group.all_gather_into_tensor(out, t.contiguous())
+        return out.view((tp,) + tuple(t.shape))
+
+    def __call__(self, hidden_states, input_ids=None):
+        from sglang.srt.speculative.ddtree_verify import vocab_parallel_topk_logprobs
+
+        bs = hidden_states.shape[0] // self.block_size
+        hs = hidden_states.view(bs, self.block_size, -1)[:, 1:, :].reshape(-1, hidden_states.shape[-1])
+        local = torch.matmul(hs.to(self.weight.dtype), self.weight[: self.num_org].T)
+        tp = 1 if self.tp_group is None else int(self.tp_group.world_size)
+        lp, ids = vocab_parallel_topk_logprobs(
+            local, self.k, vocab_start=self.vocab_start,
+            gather=self._gather if tp > 1 else None,
+            inv_temperature=self.inv_temperature[:bs],
+        )
+        n = lp.shape[0]
+        self.lp[:n].copy_(lp)
+        self.ids[:n].copy_(ids)
+
+    def outputs(self, bs: int):
+        """The replay's top-k, ``[bs, block_size - 1, k]`` views of the static outputs."""
+        n = bs * (self.block_size - 1)
+        return (self.lp[:n].view(bs, self.block_size - 1, self.k),
+                self.ids[:n].view(bs, self.block_size - 1, self.k))
+
+
 def _build_worker_cls() -> type:
     from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
+    from sglang.kernels.ops.speculative.dflash import _prepare_dflash_draft_block_unchecked
     from sglang.srt.arg_groups.model_override_base import resolved_view
     from sglang.srt.layers.logprob_processor import compute_spec_logprobs
     from sglang.srt.layers.sampler import apply_custom_logit_processor
@@ -180,11 +242,12 @@ def _build_worker_cls() -> type:
         ForwardMode,
         enable_num_token_non_padded,
     )
-    from sglang.srt.runtime_context import get_parallel, get_spec
+    from sglang.srt.runtime_context import get_exec, get_parallel, get_spec
     from sglang.srt.speculative.ddtree_args import tree_verify_refusals
     from sglang.srt.speculative.ddtree_step import DDTreeStepRunner, cuda_graph_factory
+    from sglang.srt.speculative import ddtree_verify
     from sglang.srt.speculative.ddtree_verify import (
-        ddtree_commit_tokens,
+        ddtree_commit_step,
         front_rows,
         vocab_parallel_topk_logprobs,
     )
@@ -203,7 +266,6 @@ def _build_worker_cls() -> type:
         GrammarTree,
         build_grammar_vocab_mask,
         draft_tp_context,
-        move_accept_tokens_to_target_kvcache,
     )
     from sglang.srt.utils import is_hip
 
@@ -294,10 +356,28 @@ def _build_worker_cls() -> type:
             )
             return why + tree_verify_refusals(resolved_view(server_args))
 
-        # The DFlash in-graph greedy head would hide the draft hidden states;
-        # the tree needs top-k log-probs, computed after the draft forward.
+        # DFlash's in-graph greedy head, as the tree's top-k head (DDTreeDraftHead):
+        # called by DFlashWorkerV2.init_cuda_graphs before the draft graph is
+        # captured, the hook it registers runs the head inside the graph.
         def _maybe_build_draft_sampler(self):
-            return None
+            lm_head = unwrap_lora_layer(getattr(self.target_worker.model_runner.model, "lm_head", None))
+            weight = getattr(lm_head, "weight", None)
+            if weight is None or weight.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+                return None  # a quantised head (TP 1): the eager top-k, its own kernel
+            tp_group = get_parallel().tp_group
+            shard = getattr(lm_head, "shard_indices", None)
+            if shard is None and int(tp_group.world_size) != 1:
+                return None
+            if shard is not None and int(shard.num_added_elements) != 0:
+                return None  # added vocabulary: the eager top-k
+            num_org = int(shard.num_org_elements) if shard is not None else int(weight.shape[0])
+            vocab_start = int(shard.org_vocab_start_index) if shard is not None else 0
+            return DDTreeDraftHead(
+                weight=weight, block_size=int(self.block_size), num_org=num_org,
+                vocab_start=vocab_start, k=self.ddtree_config.topk_cap,
+                max_bs=max(get_exec().graph.cuda_graph_config.decode.bs),
+                tp_group=tp_group if int(tp_group.world_size) > 1 else None,
+            )
 
         # -- the tree step unit (one CUDA graph per graph batch size) ----------
         def init_cuda_graphs(self):
@@ -309,6 +389,8 @@ def _build_worker_cls() -> type:
             graphs = 0
             if capture_bs and torch.device(self.device).type == "cuda":
                 before = torch.cuda.memory_reserved(self.device)
+                if self._draft_sampler is not None:  # the head in the draft graph feeds the tree graph
+                    runner.adopt_top_buffers(self._draft_sampler.lp, self._draft_sampler.ids)
                 runner.capture(capture_bs, cuda_graph_factory())
                 graphs = torch.cuda.memory_reserved(self.device) - before
                 if int(get_parallel().tp_rank) == 0:
@@ -346,6 +428,28 @@ def _build_worker_cls() -> type:
 
             tree._jit_tree_module()
             sampling._jit_sampling_module(math.gcd(4, int(self.model_config.vocab_size)), True)
+            self.ddtree_warm_accept_kernels()
+
+        def ddtree_warm_accept_kernels(self):
+            """Compile the accept's two Triton kernels now, at the shapes every step uses
+            (the verify width, the walk's depth, the block), not in the first decode: one
+            request whose walk accepts nothing, and a move of slot 0 (the pools' dummy
+            slot) onto itself, which moves nothing."""
+            cfg, device = self.ddtree_config, self.device
+            W, S, block = cfg.verify_width, cfg.max_depth + 1, int(self.block_size)
+            accept_index = torch.full((1, S), -1, dtype=torch.int32, device=device)
+            accept_index[0, 0] = 0
+            step = ddtree_commit_step(
+                torch.zeros((W,), dtype=torch.int32, device=device), accept_index,
+                torch.ones((1,), dtype=torch.int32, device=device),
+                torch.zeros((W,), dtype=torch.int64, device=device),
+                torch.zeros((1,), dtype=torch.int64, device=device), block,
+            )
+            if cfg.topk_cap > 1:
+                ddtree_verify.move_accepted_kv(
+                    self.model_runner.token_to_kv_pool_allocator.get_kvcache(),
+                    torch.zeros_like(step.kv_tgt), torch.zeros_like(step.kv_src), S,
+                )
 
         def prewarm_sampling(self):
             """Rehearse the sampled tree verify as upstream rehearses DFLASH's (at
@@ -445,10 +549,16 @@ def _build_worker_cls() -> type:
         def ddtree_decode(self, batch, *, on_publish=None, grammar_barrier=None):
             draft_input = batch.spec_info
             batch.seq_lens.record_stream(torch.get_device_module(self.device).current_stream())
-            draft_hidden, block_plan = self.ddtree_draft_block(batch, draft_input)
-            # The LM head runs in the draft's TP placement, as DFlash's greedy head does.
-            with draft_tp_context(self.draft_parallel_layout):
-                top_lp, top_ids = self.ddtree_draft_topk(draft_hidden, batch.sampling_info)
+            head = self._draft_sampler
+            if head is not None:
+                head.stage(len(batch.seq_lens), self.ddtree_inv_temperature(batch.sampling_info))
+            draft_hidden, block_plan, in_graph, block_positions = self.ddtree_draft_block(batch, draft_input)
+            if head is not None and in_graph:  # the draft graph ran the head
+                top_lp, top_ids = head.outputs(len(batch.seq_lens))
+            else:
+                # The LM head runs in the draft's TP placement, as DFlash's greedy head does.
+                with draft_tp_context(self.draft_parallel_layout):
+                    top_lp, top_ids = self.ddtree_draft_topk(draft_hidden, batch.sampling_info)
             verify_input = self.ddtree_verify_input(batch, draft_input, top_lp, top_ids)
             # The grammar's host copy of the tree must be queued ahead of the
             # verify launch, so the CPU bitmask overlaps the verify, not waits for it.
@@ -464,7 +574,8 @@ def _build_worker_cls() -> type:
             )
             return self.ddtree_accept_and_commit(
                 batch, verify_input, target_out, logits_output, block_plan,
-                draft_input=draft_input, on_publish=on_publish, grammar_barrier=grammar_barrier,
+                draft_input=draft_input, block_positions=block_positions,
+                on_publish=on_publish, grammar_barrier=grammar_barrier,
                 grammar_tree=grammar_tree, target_predict=target_predict,
             )
 
@@ -480,20 +591,52 @@ def _build_worker_cls() -> type:
             req_to_token = self.model_runner.req_to_token_pool.req_to_token
             target_model = self.target_worker.model_runner.model
 
-            block_ids = torch.full(
-                (bs, block_size), int(self._mask_token_id), dtype=torch.long, device=device
-            )
-            block_ids[:, 0].copy_(draft_input.bonus_tokens.view(-1))
-            positions = (prefix_lens.unsqueeze(1).to(torch.int64) + self._block_pos_offsets).reshape(-1)
-            block_loc = assign_extend_cache_locs_func(
-                req_pool_indices=batch.req_pool_indices,
-                req_to_token=req_to_token,
-                start_offset=prefix_lens,
-                end_offset=prefix_lens + block_size,
-                batch_size=bs,
-                draft_token_num=block_size,
-                device=device,
-            )
+            # DFlash's block kernel sizes its launch from the roots and reads the lengths
+            # and pool rows unchecked: a batch whose carried roots do not match it (an
+            # unfiltered overlap carry) would read past them. Shapes only: no sync.
+            if draft_input.bonus_tokens.numel() != bs or batch.req_pool_indices.numel() != bs:
+                raise RuntimeError(
+                    f"DDTREE: {draft_input.bonus_tokens.numel()} roots and "
+                    f"{batch.req_pool_indices.numel()} pool rows for a batch of {bs}"
+                )
+            # DFlash's block buffers and its one-launch block kernel (ids, positions,
+            # cache locations), with DFlash's eager fallback should the kernel fail.
+            self._ensure_draft_block_buffers(bs)
+            block_ids = self._draft_block_ids_buf[:bs]
+            positions_2d = self._draft_block_positions_buf[:bs]
+            block_loc_2d = self._draft_verify_out_cache_loc_buf[:bs]
+            if self._use_triton_prepare_block:
+                try:
+                    _prepare_dflash_draft_block_unchecked(
+                        bonus_tokens=draft_input.bonus_tokens.view(-1),
+                        prefix_lens=prefix_lens.view(-1),
+                        req_pool_indices=batch.req_pool_indices.view(-1),
+                        req_to_token=req_to_token,
+                        block_ids_out=block_ids,
+                        positions_out=positions_2d,
+                        cache_loc_out=block_loc_2d,
+                        mask_token_id=int(self._mask_token_id),
+                    )
+                except Exception as e:  # noqa: BLE001 - DFlash's own fallback rule
+                    self._use_triton_prepare_block = False
+                    logger.warning("DDTREE: DFlash's Triton prepare_block failed; eager from now on: %s", e)
+            if not self._use_triton_prepare_block:
+                block_ids.fill_(int(self._mask_token_id))
+                block_ids[:, 0].copy_(draft_input.bonus_tokens.view(-1))
+                torch.add(prefix_lens.unsqueeze(1), self._block_pos_offsets, out=positions_2d)
+                block_loc_2d.copy_(
+                    assign_extend_cache_locs_func(
+                        req_pool_indices=batch.req_pool_indices,
+                        req_to_token=req_to_token,
+                        start_offset=prefix_lens,
+                        end_offset=prefix_lens + block_size,
+                        batch_size=bs,
+                        draft_token_num=block_size,
+                        device=device,
+                    ).view(bs, block_size)
+                )
+            positions = positions_2d.reshape(-1)
+            block_loc = block_loc_2d.reshape(-1)
             if self._full_embed_gpu is not None:
                 noise = torch.nn.functional.embedding(block_ids, self._full_embed_gpu)
             else:
@@ -548,7 +691,18 @@ def _build_worker_cls() -> type:
             if hidden is None:
                 raise RuntimeError("DDTREE: the DFlash draft model returned no hidden states.")
             hidden = hidden[: bs * block_size].view(bs, block_size, -1)[:, 1:, :]
-            return hidden, block_plan
+            return hidden, block_plan, bool(getattr(draft_out, "can_run_graph", False)), positions
+
+        def ddtree_inv_temperature(self, sampling_info):
+            """Per request, the inverse temperature its tree is scored at (None: all
+            untempered: greedy rows carry temperature 1, and the raw distribution)."""
+            if (
+                sampling_info is not None
+                and not sampling_info.is_all_greedy
+                and self.ddtree_config.tree_distribution == "request"
+            ):
+                return sampling_info.temperatures.view(-1).float().reciprocal()
+            return None
 
         def ddtree_draft_topk(self, draft_hidden, sampling_info=None):
             """Per-depth top-k log-probs of the draft positions through the
@@ -576,19 +730,12 @@ def _build_worker_cls() -> type:
                 tp_group.all_gather_into_tensor(out, t.contiguous())
                 return out.view((tp_size,) + tuple(t.shape))
 
-            inv_temperature = None  # per request, for its `depth` rows
-            if (
-                sampling_info is not None
-                and not sampling_info.is_all_greedy
-                and self.ddtree_config.tree_distribution == "request"
-            ):
-                inv_temperature = sampling_info.temperatures.view(-1).float().reciprocal()
             lp, ids = vocab_parallel_topk_logprobs(
                 local,
                 self.ddtree_config.topk_cap,
                 vocab_start=vocab_start,
                 gather=gather if tp_size > 1 else None,
-                inv_temperature=inv_temperature,
+                inv_temperature=self.ddtree_inv_temperature(sampling_info),
             )
             k = lp.shape[-1]
             return lp.view(bs, depth, k), ids.view(bs, depth, k)
@@ -604,11 +751,10 @@ def _build_worker_cls() -> type:
             W = cfg.verify_width
             runner = self.ddtree_tree_runner()
             info = batch.sampling_info
-            if info is not None and cfg.tree_distribution == "request":
+            if info is not None and cfg.tree_distribution == "request" and not info.is_all_greedy:
                 top_k, top_p = info.top_ks, info.top_ps
-            else:
-                top_k = torch.ones((bs,), dtype=torch.int64, device=self.device)
-                top_p = torch.ones((bs,), dtype=torch.float32, device=self.device)
+            else:  # every row greedy (top-k 1) or the raw distribution: nothing to restrict
+                top_k = top_p = None
 
             def mask_numel() -> int:
                 # A batch past the backend's buffer gets a fresh mask, sized from
@@ -703,7 +849,9 @@ def _build_worker_cls() -> type:
             target_predict = self._tp_sync.sync(
                 SpecTpSyncSite.DFLASH_ACCEPT_GREEDY, target_predict.view(bs, W)
             )
-            predict = torch.zeros((bs * W,), dtype=torch.int32, device=device)
+            # Only the accepted nodes' predictions are ever read (the commit
+            # kernel), and the walk writes every one of them: no fill.
+            predict = torch.empty((bs * W,), dtype=torch.int32, device=device)
             accept_index = torch.full(
                 (bs, verify_input.max_tree_depth), -1, dtype=torch.int32, device=device
             )
@@ -724,7 +872,7 @@ def _build_worker_cls() -> type:
 
         def ddtree_accept_and_commit(
             self, batch, verify_input, target_out, logits_output, block_plan, *,
-            draft_input, on_publish=None, grammar_barrier=None, grammar_tree=None,
+            draft_input, block_positions, on_publish=None, grammar_barrier=None, grammar_tree=None,
             target_predict=None,
         ):
             cfg = self.ddtree_config
@@ -742,22 +890,27 @@ def _build_worker_cls() -> type:
                     batch, verify_input, logits_output, grammar_tree, grammar_barrier
                 )
 
-            # Target KV of the accepted nodes to the window front (NGRAM's call).
-            # A chain (top-k cap 1: node i is the one node at depth i) accepts
-            # nodes 0..n-1, already at the front: nothing to move, as in DFLASH.
+            # One launch for the accept's bookkeeping, as DFLASH's accept is one: the
+            # committed block, new lengths, the KV moves and the front rows' indices.
+            step = ddtree_commit_step(
+                predict, accept_index, accept_lens, batch.out_cache_loc, prefix_lens, block_size
+            )
+            # Target KV of the accepted nodes to the window front, one move (NGRAM's
+            # effect; a node already at its slot moves onto itself). A chain (top-k
+            # cap 1: node i is the one node at depth i) accepts nodes 0..n-1, already
+            # at the front: no move at all, as in DFLASH.
             if cfg.topk_cap > 1:
-                move_accept_tokens_to_target_kvcache(
-                    batch, accept_index, accept_lens - 1, self.model_runner.token_to_kv_pool_allocator
+                ddtree_verify.move_accepted_kv(
+                    self.model_runner.token_to_kv_pool_allocator.get_kvcache(), step.kv_tgt, step.kv_src,
+                    accept_index.shape[1],
                 )
             if batch.return_logprob:
                 compute_spec_logprobs(batch, logits_output, predict, accept_index=accept_index)
-            out_tokens, commit_lens, bonus = ddtree_commit_tokens(
-                predict, accept_index, accept_lens, block_size
-            )
+            out_tokens, commit_lens, bonus = step.out_tokens, step.commit_lens, step.bonus
             self.ddtree_capture_sampling_mask(
                 batch, draft_input, logits_output, accept_index, out_tokens, commit_lens
             )
-            new_seq_lens = prefix_lens + commit_lens.to(prefix_lens.dtype)
+            new_seq_lens = step.new_seq_lens.to(prefix_lens.dtype)
             if on_publish is not None:
                 on_publish(new_seq_lens)
 
@@ -766,13 +919,14 @@ def _build_worker_cls() -> type:
             hidden = logits_output.hidden_states
             if hidden is None:
                 raise RuntimeError("DDTREE verify requires target hidden states, got None.")
-            front = front_rows(hidden.reshape(bs * W, -1), accept_index, block_size)
+            front = hidden.reshape(bs * W, -1).index_select(0, step.front_index)
+            front.masked_fill_(step.front_drop.unsqueeze(1), 0)
             cache_loc = self._draft_write_ids(block_plan)
             self._append_target_hidden_to_draft_kv_by_loc(
                 target_hidden=front,
                 cache_loc=cache_loc,
                 cache_loc_2d=cache_loc.view(bs, block_size),
-                positions=(prefix_lens.long().view(-1, 1) + self._block_pos_offsets).reshape(-1),
+                positions=block_positions,  # prefix .. prefix + block - 1, from the draft block
                 commit_lens=commit_lens,
             )
             logits_output.hidden_states = None

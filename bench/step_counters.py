@@ -156,6 +156,8 @@ class Placement(TorchFunctionMode):
                 out = func(*args, **kwargs)
         else:
             out = func(*args, **kwargs)
+            if host and out is first:  # .cpu() of a CPU tensor is the tensor: a GPU copies it
+                out = out.clone()
         if host:
             self.mark_host(*_tensors(out))
         return out

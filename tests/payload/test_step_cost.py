@@ -92,3 +92,28 @@ def test_the_21_step_misses_the_collective_and_launch_targets(before_22):
     many-kernel accept) fails both targets the working tree meets."""
     missed = {t["check"].split(":")[1].split()[0] for t in before_22 if not t["ok"] and "T 0.0" in t["check"]}
     assert {"collective", "launches"} <= missed, before_22
+
+
+def test_the_host_sync_count_sees_reads_of_device_tensors_only():
+    """The counter's own control: reads of tensors a GPU would hold count, host tensors' do not."""
+    import step_counters as sc
+    import torch
+
+    p = sc.Placement()
+    with p:
+        dev = torch.arange(6, device=sc.DEVICE)  # the worker's device
+        host = torch.tensor([5, 9])  # no device: the host, as on a GPU
+        host.tolist()
+        int(host.sum())
+        (host + 1)[0].item()
+        before = sum(p.syncs.values())
+        dev.sum().item()
+        _ = dev[dev > 2]  # boolean-mask indexing: a nonzero, read back
+        back = dev.cpu()
+        back.tolist()  # the copy is on the host now
+        buf = torch.empty(6, dtype=torch.int64, device="cpu")
+        buf.copy_(dev)  # a blocking device-to-host copy
+    assert before == 0, p.syncs
+    assert sum(p.syncs.values()) == 4, p.syncs
+    assert sorted(k.split(" at ")[0] for k in p.syncs) == [
+        "blocking copy to a host tensor", "boolean-mask index", "cpu() to the host", "item"]

@@ -470,6 +470,8 @@ def _patch_kernels(no_kv_move: bool, index_kernels: str = "triton", calls: dict 
     # mutation skips it.
     from sglang.srt.speculative import ddtree_verify
 
+    if not hasattr(ddtree_verify, "move_accepted_kv"):  # a patch set before 2.2 (bench_launches)
+        return
     real_move = _REAL.setdefault("move_accepted_kv", ddtree_verify.move_accepted_kv)
 
     def move_accepted_kv(pool, tgt_loc, src_loc, per_request):

@@ -279,3 +279,16 @@ def test_the_commit_step_derives_block_lengths_moves_and_front_rows_from_the_wal
     x = torch.arange(2 * W, dtype=torch.float32).view(-1, 1)
     front = x.index_select(0, step.front_index).masked_fill_(step.front_drop.unsqueeze(1), 0)
     assert front.view(-1).tolist() == dv.front_rows(x, accept_index, block).view(-1).tolist()
+
+
+def test_the_draft_heads_staging_leaves_a_batch_past_the_graphs_to_the_eager_top_k(dw):
+    """CT200 serves batches of 9-48 past its largest graph (8): their draft runs eagerly, so the
+    in-graph head stages nothing for them (it used to copy 48 temperatures into 8 rows)."""
+    head = dw.DDTreeDraftHead(weight=torch.zeros(16, 4), block_size=3, num_org=16, vocab_start=0, k=2,
+                              max_bs=2)
+    head.stage(5, torch.full((5,), 2.0))  # past the graphs: untouched
+    assert head.inv_temperature.tolist() == [1.0, 1.0]
+    head.stage(2, torch.tensor([2.0, 0.5]))
+    assert head.inv_temperature.tolist() == [2.0, 0.5]
+    head.stage(1, None)  # untempered again: every row back to 1
+    assert head.inv_temperature.tolist() == [1.0, 1.0]

@@ -191,7 +191,11 @@ class DDTreeDraftHead:
         self._all_ones = True  # what the staged buffer holds, known on the host
 
     def stage(self, bs: int, inv_temperature: Optional[torch.Tensor]) -> None:
-        """Before the replay: ``inv_temperature`` [bs] (None: untempered), no host read."""
+        """Before the replay: ``inv_temperature`` [bs] (None: untempered), no host read. A
+        batch past the graphs' largest runs its draft eagerly, and the eager top-k reads the
+        temperatures itself: nothing to stage."""
+        if bs > self.inv_temperature.numel():
+            return
         if inv_temperature is not None:
             self.inv_temperature[:bs].copy_(inv_temperature)
             self._all_ones = False

@@ -254,13 +254,21 @@ def test_the_top_k_head_in_the_draft_graph_builds_the_eager_heads_trees(tmp_path
     # reorders the best-first tree: both differ from the untempered tree the greedy row keeps
     sampled = {"budget": 8, "cap": 3, "block": 5, "host_mirror": True, "prefixes": [6] * 3, "bonus": [23] * 3,
                "ranks": [[0]] * 3, "sampling": [{"temperature": 0.7, "top_p": 0.9}, {}, {"temperature": 2.5}]}
+    past = dict(sampled, prefixes=[6] * 6, bonus=[23] * 6, ranks=[[0]] * 6,
+                sampling=sampled["sampling"] * 2, extra_args=("--cuda-graph-max-bs-decode", "4"))
     code = f"""
     sys.path.insert(0, {str(HERE)!r})
     import worker_fakes  # first: sets TRITON_INTERPRET / SGLANG_NATIVE_MOVE_KV_CACHE
     OUT["greedy"] = worker_fakes.run_case(model=MODEL, draft_graph=True, **{CASES["b8-cap3-block5"]!r})
     OUT["sampled"] = worker_fakes.run_case(model=MODEL, draft_graph=True, **{sampled!r})
+    # past the largest graph (4): the draft runs eagerly and so does the top-k
+    OUT["past"] = worker_fakes.run_case(model=MODEL, draft_graph=True, **{past!r})
     """
     out = run_sglang(code, tmp_path, sglang_overlay, timeout=300, triton_interpret=True)
+    assert out["greedy"]["calls"]["draft_head"] == out["sampled"]["calls"]["draft_head"] == 1
+    assert out["past"]["calls"]["draft_head"] == 0 and all(out["past"]["expect"]["walk_valid"])
+    assert out["past"]["expect"]["trees"][2] != out["past"]["expect"]["untempered_trees"][2]
+    check_kv(out["past"])
     check_scenario(out["greedy"])
     check_result(out["greedy"])
     check_kv(out["greedy"])

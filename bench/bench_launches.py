@@ -22,7 +22,6 @@ import json
 import os
 import pathlib
 import platform
-import subprocess
 import sys
 import tempfile
 import textwrap
@@ -43,20 +42,6 @@ CONFIGS = {
     "b64-k8": {"budget": 64, "cap": 8, "block": 16, "max_prefix": 14},
 }
 BS = 32
-
-
-def patch_set_at(rev: str, dest: pathlib.Path) -> pathlib.Path:
-    """The patch set as committed at ``rev``, written to ``dest``."""
-    rel = "patches/ddtree-temp"
-    names = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "-r", "--name-only", rev, rel],
-                           capture_output=True, text=True, check=True).stdout.split()
-    for name in names:
-        data = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{name}"],
-                              capture_output=True, check=True).stdout
-        out = dest / pathlib.Path(name).relative_to(rel)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_bytes(data)
-    return dest
 
 
 def count(overlay: pathlib.Path, tmp: pathlib.Path, *, graphs: bool) -> dict:
@@ -89,7 +74,7 @@ def main() -> int:
     os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = pathlib.Path(tmpdir)
-        base = patch_set_at(args.base, tmp / "base-patch")
+        base = sglang_env.patch_set_at(args.base, tmp / "base-patch")
         runs = {}
         t0 = time.time()
         for label, patch_dir, graphs in (("2.0 (eager)", base, False),

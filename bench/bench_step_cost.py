@@ -73,20 +73,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def patch_set_at(rev: str, dest: pathlib.Path) -> pathlib.Path:
-    """The patch set as committed at ``rev``, written to ``dest``."""
-    rel = "patches/ddtree-temp"
-    names = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "-r", "--name-only", rev, rel],
-                           capture_output=True, text=True, check=True).stdout.split()
-    for name in names:
-        data = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{name}"],
-                              capture_output=True, check=True).stdout
-        out = dest / pathlib.Path(name).relative_to(rel)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_bytes(data)
-    return dest
-
-
 def run_ranks(algorithm: str, cases: list, *, steps: int, overlay, work: pathlib.Path,
               timeout: float) -> list:
     """``TP`` rank processes of one algorithm, side by side; returns each rank's output. Each
@@ -228,7 +214,7 @@ def run(*, batches, temperatures, steps: int, patch_rev: str | None, algorithms=
     rows = []
     with tempfile.TemporaryDirectory(prefix="step-cost-") as tmpdir:
         tmp = pathlib.Path(tmpdir)
-        patch_dir = patch_set_at(patch_rev, tmp / "patch") if patch_rev else sglang_env.PATCH_DIR
+        patch_dir = sglang_env.patch_set_at(patch_rev, tmp / "patch") if patch_rev else sglang_env.PATCH_DIR
         overlay = sglang_env.build_overlay(tmp / "overlay", patch_dir)
         for algo in algorithms:
             work = tmp / algo

@@ -79,6 +79,21 @@ def site_packages() -> pathlib.Path:
     return pathlib.Path(out.stdout.strip())
 
 
+def patch_set_at(rev: str, dest: pathlib.Path) -> pathlib.Path:
+    """The patch set as committed at ``rev`` (read with ``git show``), written to ``dest``: a
+    ``patch_dir`` for :func:`build_overlay` (the benchmarks' controls run an older patch set)."""
+    rel = "patches/ddtree-temp"
+    names = subprocess.run(["git", "-C", str(REPO), "ls-tree", "-r", "--name-only", rev, rel],
+                           capture_output=True, text=True, check=True).stdout.split()
+    for name in names:
+        data = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{name}"],
+                              capture_output=True, check=True).stdout
+        out = dest / pathlib.Path(name).relative_to(rel)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(data)
+    return dest
+
+
 def build_overlay(dest: pathlib.Path, patch_dir: pathlib.Path = PATCH_DIR) -> pathlib.Path:
     """A symlink mirror of site-packages/sglang with the patch set's files swapped in
     (``patch_dir``: another version of the patch set, e.g. for a before/after benchmark)."""

@@ -408,6 +408,12 @@ def restrict_draft_logprobs(
 # ---------------------------------------------------------------------------
 
 
+def _runs_triton(t: torch.Tensor) -> bool:
+    """The accept's Triton kernels run on a CUDA device, or in Triton's interpreter where it is
+    switched on (the CPU tests); elsewhere their plain-torch paths do."""
+    return triton is not None and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
 class DDTreeCommitStep(NamedTuple):
     out_tokens: torch.Tensor  # int64 [bs, width], path order, 0 past the path
     commit_lens: torch.Tensor  # int32 [bs] = accepted drafts + 1
@@ -463,8 +469,7 @@ def _commit_step_torch(predict, accept_index, accept_lens, out_cache_loc, prefix
     tgt, src = accept_kv_moves(out_cache_loc, accept_index, accept_lens.long() - 1)
     n = min(s, width)
     idx = torch.full((bs, width), -1, dtype=torch.int64, device=accept_index.device)
-    live = (torch.arange(n, device=accept_index.device).unsqueeze(0) <= commit.accept_num.unsqueeze(1)) & (
-        accept_index[:, :n] >= 0)
+    live = commit.path[:, :n] >= 0  # on the path: k <= accepted drafts and a node there
     idx[:, :n] = torch.where(live, accept_index[:, :n].long(), idx[:, :n])
     keep = idx >= 0
     root = (torch.arange(bs, device=idx.device) * w).unsqueeze(1).expand(bs, width)
@@ -501,8 +506,7 @@ def ddtree_commit_step(
             f"ddtree_commit_step: accept_index {tuple(accept_index.shape)}, accept_lens {accept_lens.numel()}, "
             f"prefix_lens {prefix_lens.numel()}, out_cache_loc {out_cache_loc.numel()}, predict {predict.numel()}")
     if use_triton is None:
-        use_triton = triton is not None and (
-            predict.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+        use_triton = _runs_triton(predict)
     if not use_triton:
         return _commit_step_torch(predict, accept_index, accept_lens, out_cache_loc, prefix_lens, width)
     dev = predict.device
@@ -607,8 +611,7 @@ def move_accepted_kv(pool, tgt_loc: torch.Tensor, src_loc: torch.Tensor, per_req
     and writes nothing. Pools with more than plain per-layer rows, and a host without Triton,
     take the pool's own move."""
     n = int(tgt_loc.numel())
-    use_triton = triton is not None and (tgt_loc.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
-    table = _move_table(pool) if use_triton and n else None
+    table = _move_table(pool) if _runs_triton(tgt_loc) and n else None
     if table is None:
         pool.move_kv_cache(tgt_loc, src_loc)
         return

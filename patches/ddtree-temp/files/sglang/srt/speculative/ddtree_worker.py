@@ -45,6 +45,7 @@ are built on first use by :func:`get_ddtree_worker_cls`.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Optional
 
@@ -167,6 +168,15 @@ def host_prefix_bound(seq_lens_cpu, nxt_kv_lens_cpu, context_len: int, block_siz
     return torch.clamp(nxt_kv_lens_cpu.to(torch.int64), max=int(context_len) + int(block_size))
 
 
+def tp_all_gather(tp_group, t: torch.Tensor) -> torch.Tensor:
+    """``t`` from every rank of ``tp_group``, stacked ``[tp, *t.shape]`` (one all-gather): the
+    ``gather`` :func:`ddtree_verify.vocab_parallel_topk_logprobs` takes."""
+    tp = int(tp_group.world_size)
+    out = torch.empty((tp * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+    tp_group.all_gather_into_tensor(out, t.contiguous())
+    return out.view((tp,) + tuple(t.shape))
+
+
 class DDTreeDraftHead:
     """The draft head's per-depth top-k log-probs folded into the draft CUDA graph, as
     ``DFlashWorkerV2`` folds its greedy head (``_DflashDraftSampler``, a draft-runner
@@ -203,12 +213,6 @@ class DDTreeDraftHead:
             self.inv_temperature.fill_(1.0)
             self._all_ones = True
 
-    def _gather(self, t: torch.Tensor) -> torch.Tensor:
-        tp = int(self.tp_group.world_size)
-        out = torch.empty((tp * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-        self.tp_group.all_gather_into_tensor(out, t.contiguous())
-        return out.view((tp,) + tuple(t.shape))
-
     def __call__(self, hidden_states, input_ids=None):
         from sglang.srt.speculative.ddtree_verify import vocab_parallel_topk_logprobs
 
@@ -218,7 +222,7 @@ class DDTreeDraftHead:
         tp = 1 if self.tp_group is None else int(self.tp_group.world_size)
         lp, ids = vocab_parallel_topk_logprobs(
             local, self.k, vocab_start=self.vocab_start,
-            gather=self._gather if tp > 1 else None,
+            gather=functools.partial(tp_all_gather, self.tp_group) if tp > 1 else None,
             inv_temperature=self.inv_temperature[:bs],
         )
         n = lp.shape[0]
@@ -256,6 +260,7 @@ def _build_worker_cls() -> type:
         vocab_parallel_topk_logprobs,
     )
     from sglang.srt.speculative.dflash_info import DFlashVerifyInput
+    from sglang.srt.speculative.dflash_utils import is_dense_head_weight
     from sglang.srt.speculative.dflash_worker_v2 import (
         DFlashWorkerV2,
         _resolve_dflash_embedding_module,
@@ -346,7 +351,7 @@ def _build_worker_cls() -> type:
             target_model = self.target_worker.model_runner.model
             lm_head = unwrap_lora_layer(getattr(target_model, "lm_head", None))
             weight = getattr(lm_head, "weight", None)
-            dense = weight is not None and weight.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            dense = is_dense_head_weight(weight)
             verify_backend = verify_attention_backend(
                 self.target_worker.model_runner.attn_backend, get_spec().speculative_attention_mode
             )
@@ -366,7 +371,7 @@ def _build_worker_cls() -> type:
         def _maybe_build_draft_sampler(self):
             lm_head = unwrap_lora_layer(getattr(self.target_worker.model_runner.model, "lm_head", None))
             weight = getattr(lm_head, "weight", None)
-            if weight is None or weight.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            if not is_dense_head_weight(weight):
                 return None  # a quantised head (TP 1): the eager top-k, its own kernel
             tp_group = get_parallel().tp_group
             shard = getattr(lm_head, "shard_indices", None)
@@ -724,21 +729,16 @@ def _build_worker_cls() -> type:
                 num_org, vocab_start = int(self.model_runner.model_config.vocab_size), 0
             hs = draft_hidden.reshape(-1, hidden_size)
             weight = getattr(lm_head, "weight", None)
-            if weight is not None and weight.dtype in (torch.float16, torch.bfloat16, torch.float32):
+            if is_dense_head_weight(weight):
                 local = torch.matmul(hs.to(weight.dtype), weight[:num_org].T)
             else:  # quantised head (TP 1, checked at start-up): the layer's own kernel
                 local = lm_head.quant_method.apply(lm_head, hs, None)[:, :num_org]
-
-            def gather(t: torch.Tensor) -> torch.Tensor:
-                out = torch.empty((tp_size * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-                tp_group.all_gather_into_tensor(out, t.contiguous())
-                return out.view((tp_size,) + tuple(t.shape))
 
             lp, ids = vocab_parallel_topk_logprobs(
                 local,
                 self.ddtree_config.topk_cap,
                 vocab_start=vocab_start,
-                gather=gather if tp_size > 1 else None,
+                gather=functools.partial(tp_all_gather, tp_group) if tp_size > 1 else None,
                 inv_temperature=self.ddtree_inv_temperature(sampling_info),
             )
             k = lp.shape[-1]

@@ -186,8 +186,9 @@ def patch_platform(refs, pristine: bool) -> None:
     if not pristine:
         from sglang.srt.speculative import ddtree_verify
 
-        ddtree_verify.ddtree_commit_tokens = sc.phase("commit_tokens", ddtree_verify.ddtree_commit_tokens)
-        ddtree_verify.front_rows = sc.phase("front_rows", ddtree_verify.front_rows)
+        for name in ("ddtree_commit_tokens", "front_rows"):  # the accept before 2.2 (the control)
+            if hasattr(ddtree_verify, name):
+                setattr(ddtree_verify, name, sc.phase(name.removeprefix("ddtree_"), getattr(ddtree_verify, name)))
     lp_module.softcap_row_argmax = sc.one_kernel(wf._softcap_row_argmax_torch, ref)
     lp_module.gathered_softcap_logits = sc.one_kernel(gathered_softcap, ref)
 

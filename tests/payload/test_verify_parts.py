@@ -98,18 +98,6 @@ def test_sharded_topk_would_be_wrong_without_the_global_normaliser(dv):
     assert not torch.allclose(local, full)
 
 
-def test_committed_tokens_come_back_in_dflash_block_layout(dv):
-    W, block = 5, 4
-    # request 0 accepts nodes 0 -> 2 -> 4 (+ bonus at node 4); request 1 only the bonus
-    accept_index = torch.tensor([[0, 2, 4], [5, -1, -1]], dtype=torch.int32)
-    accept_lens = torch.tensor([3, 1], dtype=torch.int32)
-    predict = torch.arange(100, 100 + 2 * W, dtype=torch.int32)
-    out, lens, bonus = dv.ddtree_commit_tokens(predict, accept_index, accept_lens, block)
-    assert out.tolist() == [[100, 102, 104, 0], [105, 0, 0, 0]]
-    assert lens.tolist() == [3, 1] and lens.dtype == torch.int32
-    assert bonus.tolist() == [104, 105]
-
-
 def test_front_rows_put_the_accepted_path_first_and_zero_the_rest(dv):
     W, block = 5, 4
     x = torch.arange(2 * W, dtype=torch.float32).view(-1, 1).repeat(1, 3)
@@ -261,10 +249,11 @@ def test_a_processor_is_history_reading_when_its_code_names_the_request_or_its_t
 
 def test_the_commit_step_derives_block_lengths_moves_and_front_rows_from_the_walk(dv):
     """``ddtree_commit_step`` (plain torch here): the committed block and bonus as
-    ``ddtree_commit_tokens``, lengths = prefix + commit, one KV move per path entry (the k-th
+    DFlash's committed-block layout, lengths = prefix + commit, one KV move per path entry (the k-th
     accepted node's slot to the k-th window slot, everything else onto itself) and the front
     rows ``front_rows`` gathers."""
     W, block = 5, 4
+    # request 0 accepts nodes 0 -> 2 -> 4 (+ bonus at node 4); request 1 only the bonus
     accept_index = torch.tensor([[0, 2, 4], [5, -1, -1]], dtype=torch.int32)
     accept_lens = torch.tensor([3, 1], dtype=torch.int32)
     predict = torch.arange(100, 100 + 2 * W, dtype=torch.int32)
@@ -272,7 +261,8 @@ def test_the_commit_step_derives_block_lengths_moves_and_front_rows_from_the_wal
     step = dv.ddtree_commit_step(predict, accept_index, accept_lens, loc, torch.tensor([7, 9]), block,
                                  use_triton=False)
     assert step.out_tokens.tolist() == [[100, 102, 104, 0], [105, 0, 0, 0]]
-    assert step.commit_lens.tolist() == [3, 1] and step.bonus.tolist() == [104, 105]
+    assert step.commit_lens.tolist() == [3, 1] and step.commit_lens.dtype == torch.int32
+    assert step.bonus.tolist() == [104, 105]
     assert step.new_seq_lens.tolist() == [10, 10]
     assert list(zip(step.kv_tgt.tolist(), step.kv_src.tolist(), strict=True)) == [
         (50, 50), (51, 52), (52, 54), (55, 55), (56, 56), (57, 57)]

@@ -12,9 +12,10 @@ target TARGET_VERIFY forward and SGLang's own acceptance (``eagle_sample``):
   mask in SGLang's FULL_MASK layout, positions ``prefix + depth``, verify tokens
   in node order. Verify width ``W = budget + 1`` tokens per request, node ``i``
   of request ``b`` at flat row ``b*W + i`` (the retrieve encoding's global index).
-- :func:`ddtree_commit_tokens`, :func:`front_rows`: ``eagle_sample``'s outputs ->
-  DFlash's committed-block layout, and the accepted path's rows (target hidden
-  states) in path order for the draft-KV append.
+- :func:`ddtree_commit_step` (one Triton kernel, or plain torch), :func:`front_rows`:
+  ``eagle_sample``'s outputs -> DFlash's committed-block layout, the new lengths, the
+  KV move's lists, and the accepted path's rows (target hidden states, logits) in
+  path order; :func:`move_accepted_kv`: that move, every layer in one launch.
 
 Node order guarantees ``path[b, k] >= k`` (parents precede children), so one
 gather-then-scatter KV move (SGLang's ``move_accept_tokens_to_target_kvcache``)
@@ -316,17 +317,6 @@ def vocab_parallel_topk_logprobs(
     return top_vals - total_lse.unsqueeze(1), torch.gather(cand_idx, 1, pos)
 
 
-def ddtree_commit_tokens(
-    predict: torch.Tensor, accept_index: torch.Tensor, accept_lens: torch.Tensor, width: int
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``eagle_sample``'s outputs (``accept_lens`` = accepted drafts + bonus) ->
-    DFlash's committed-block layout: tokens in path order ``[bs, width]`` (0 past
-    the path), commit lengths (int32) and the bonus token (the next root).
-    ``accept_index`` holds global node rows (``b*W + i``), -1 padded."""
-    commit = ddtree_commit(predict, accept_index, accept_lens.long() - 1, width)
-    return commit.out_tokens, commit.commit_lens, commit.bonus
-
-
 def front_rows(x: torch.Tensor, accept_index: torch.Tensor, width: int) -> torch.Tensor:
     """Rows of the accepted path, in path order, at the front of a ``[bs * width]``
     block (what the DFlash draft-KV append reads for positions prefix + k);
@@ -493,7 +483,7 @@ def ddtree_commit_step(
     """Everything the accept derives from ``eagle_sample``'s outputs (``predict`` [bs*W],
     ``accept_index`` [bs, S] global rows -1 padded, ``accept_lens`` = accepted drafts + 1) in
     one launch, as DFLASH's accept is one (``_compute_dflash_accept_bonus_triton``): the
-    committed block (:func:`ddtree_commit_tokens`), the new lengths, the KV moves for
+    committed block (:func:`ddtree_commit`'s tokens, lengths, bonus), the new lengths, the KV moves for
     ``pool.move_kv_cache(kv_tgt, kv_src)`` (:func:`accept_kv_moves`: a node already at its slot,
     and every entry past the path, moves onto itself) and the rows :func:`front_rows` gathers
     (``x[front_index]`` with the ``front_drop`` rows zeroed). ``use_triton``: the Triton kernel (default:

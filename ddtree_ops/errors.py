@@ -165,6 +165,15 @@ class LeaseLost(RollbackFailed):
     changed it), so this run stops without touching it again."""
 
 
+class NoVerdict(DdtreeOpsError):
+    """The performance gate between servers named by URL (`ddtree-ops gate`) could not judge: a
+    server did not answer its probe, or a baseline had no successful request to compare with.
+    Exit 2 as for bad input, not 1: a pipeline must tell "the canary is slower" (1) from "the
+    gate could not measure" (2)."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
 class Interrupted(DdtreeOpsError):
     """The operator pressed Ctrl-C; the host was rolled back."""
 

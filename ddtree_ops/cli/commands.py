@@ -248,6 +248,24 @@ def _report_path(report: Optional[str]) -> Optional[str]:
     return None if report is None else output_file("--report", report, "rollout.html")
 
 
+ROLLOUT_ID_OPT = typer.Option(None, "--rollout-id", metavar="ID",
+                              help="Record this rollout id (as `ddtree-ops rollouts` shows them) instead of a new "
+                                   "one: for an orchestrator that runs a rollout host by host (the ddtree.ops "
+                                   "Ansible collection).")
+NOTIFY_OPT = typer.Option(True, "--notify/--no-notify",
+                          help="Tell the inventory's notify webhooks of this run's milestones (default); "
+                               "--no-notify when the caller reports the rollout itself.")
+
+
+def _rollout_id(given: str | None) -> str:
+    """The run's rollout id: `--rollout-id` checked, or a new one."""
+    from ..fleet.rollout_id import is_rollout_id, new_rollout_id
+
+    if given is not None and not is_rollout_id(given):
+        raise InputError(f"--rollout-id {given!r} is not a rollout id (like {new_rollout_id()})")
+    return given or new_rollout_id()
+
+
 REPORT_OPT = typer.Option(None, "--report", metavar="FILE.html",
                           help="Also write a self-contained HTML report: per-host phase timeline, the performance "
                                "gate's figures, the summary.")
@@ -346,11 +364,12 @@ def deploy(
                                            help="Deploy the canary batch only and leave it on the new release; the "
                                                 "summary prints the rollout id and the `promote` command that "
                                                 "continues it."),
+    rollout_id: Optional[str] = ROLLOUT_ID_OPT,
+    notify: bool = NOTIFY_OPT,
 ):
     from ..fleet.actions import rolling_deploy
     from ..fleet.notify import rollout_notifier
     from ..fleet.pool_summary import pool_reader
-    from ..fleet.rollout_id import new_rollout_id
     from ..runbook.phases import DeployOptions
     from .cmd_rollouts import promote_command, say_promote, stopped_after_canary
     from .flag_ranges import check_rollout_flags, rollout_policy_for
@@ -367,19 +386,20 @@ def deploy(
         notes = [*notes, *bounded]
         if stop_after_canary and canary < 1:
             raise InputError("--stop-after-canary needs a canary: --canary 1 or more")
+        rid = _rollout_id(rollout_id)
         hosts = [h for t in targets for h in t.hosts]
         with _source(patchset, bundle, hosts, expect_id=expect_id, unsigned_patchset=False,
                      allow_unsigned=allow_unsigned) as (ps, b):
-            return deploy_body(ps, b, targets, notes, policy)
+            return deploy_body(ps, b, targets, notes, policy, rid)
 
-    def deploy_body(ps, b, targets, notes, policy):
+    def deploy_body(ps, b, targets, notes, policy, rid):
         _confirm(yes, f"Deploy {ps.label}{' (bundle ' + b.id + ')' if b else ''} to "
                       f"{', '.join(t.name for t in targets)}?")
         opts = DeployOptions(force=force, break_tokens=tuple(break_lock), no_rollback=no_rollback,
                              command=" ".join(["ddtree-ops", *sys.argv[1:]])[:500], deadline_s=deadline,
                              bundle_id=b.id if b else None, templates_dir=str(b.templates_dir) if b else None,
                              perf_gate=perf_gate, marginal="accept" if accept_marginal else "fail",
-                             rollout_id=new_rollout_id(), stop_after_canary=stop_after_canary,
+                             rollout_id=rid, stop_after_canary=stop_after_canary,
                              overrides={k: v for k, v in (("budget", budget), ("topk_cap", topk_cap)) if v is not None})
         progress = make_progress(pool_reader(targets))
         if not accept_marginal and sys.stdin.isatty():
@@ -388,7 +408,7 @@ def deploy(
                              keep_updated=keep_updated, accept_new_host_keys=accept_new_host_keys,
                              progress=progress, notes=notes, hooks=hooks_of(ctx), policy=policy,
                              milestones=rollout_notifier(targets, "deploy", opts, _warn, patchset=ps.label,
-                                                         bundle=b.id if b else None))
+                                                         bundle=b.id if b else None) if notify else None)
         promote = stopped_after_canary(res, promote_command(res.rollout_id, inventory, limit,
                                                             patchset=patchset or DEFAULT_PATCHSET,
                                                             bundle=bundle, allow_unsigned=allow_unsigned))
@@ -421,6 +441,8 @@ def rollback(
     force: bool = typer.Option(False, "--force", help="Restore the backups even where the host changed under the "
                                                       "release (files rewritten since, another SGLang version): "
                                                       "without it such a host is refused, exit 2."),
+    rollout_id: Optional[str] = ROLLOUT_ID_OPT,
+    notify: bool = NOTIFY_OPT,
 ):
     """Back to the previous release (or --to RELEASE|original, or what each host ran before --rollout ID), with
     the same restart and health gate, over the same selection as deploy (multi-node servers as a whole). A host
@@ -429,7 +451,6 @@ def rollback(
     from ..fleet.actions import rolling_rollback
     from ..fleet.notify import rollout_notifier
     from ..fleet.pool_summary import pool_reader
-    from ..fleet.rollout_id import new_rollout_id
     from ..runbook.phases import DeployOptions
     from ..runbook.rollback import UndoRollout
     from .cmd_rollouts import undo_targets
@@ -443,6 +464,7 @@ def rollback(
         check_rollout_flags(len(targets), forks=forks, batch=batch, max_unavailable=max_unavailable)
         if rollout and to:
             raise InputError("give either --to or --rollout, not both")
+        rid = _rollout_id(rollout_id)
         target_release = to or "the previous release"
         if rollout:
             targets, left = undo_targets(targets, rollout, accept_new_host_keys=accept_new_host_keys,
@@ -455,12 +477,13 @@ def rollback(
         notes = [*notes, *bounded]
         _confirm(yes, f"Roll back {', '.join(t.name for t in targets)} to {target_release}?")
         opts = DeployOptions(force=force, break_tokens=tuple(break_lock),
-                             command=" ".join(["ddtree-ops", *sys.argv[1:]])[:500], rollout_id=new_rollout_id())
+                             command=" ".join(["ddtree-ops", *sys.argv[1:]])[:500],
+                             rollout_id=rid)
         res = rolling_rollback(targets, UndoRollout(rollout) if rollout else to, opts, batch=batch, forks=forks,
                                accept_new_host_keys=accept_new_host_keys,
                                progress=make_progress(pool_reader(targets)), notes=notes, hooks=hooks_of(ctx),
                                policy=policy,
-                               milestones=rollout_notifier(targets, "rollback", opts, _warn))
+                               milestones=rollout_notifier(targets, "rollback", opts, _warn) if notify else None)
         return _print_rollout(res, as_json, report=report,
                               context=rollback_context(targets, f"{target_release} ({opts.rollout_id})"))
     _guard(body, as_json=as_json)
@@ -579,9 +602,9 @@ def _warn(msg: str) -> None:
 
 
 def _register_commands() -> None:
-    from . import cmd_diff, cmd_logs, cmd_metrics, cmd_rollouts
+    from . import cmd_diff, cmd_gate, cmd_logs, cmd_metrics, cmd_rollouts
 
-    for module in (cmd_logs, cmd_metrics, cmd_diff):
+    for module in (cmd_logs, cmd_metrics, cmd_diff, cmd_gate):
         module.register(app)
     cmd_rollouts.register(app, cmd_rollouts.CommandKit(_hosts, _targets, _source, _report_path, _print_rollout, _warn))
 

@@ -9,9 +9,12 @@ naming the flag.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+from ..config.perfgate_settings import PERF_GATE_FIELDS
 from ..config.schema import CountOrShare, Invalid, count_or_share, int_range, number_range
+from ..config.workload_settings import Workload
 from ..errors import InputError
 from ..fleet.rollout import parse_percent, plan_batches
 
@@ -67,3 +70,12 @@ def rollout_policy_for(targets: list, flag: str | None, *, canary: int = 0, batc
 
     size = batch_size(batch, len(targets)) if batch is not None else None
     return rollout_policy(targets, check_max_unavailable(flag), canary=canary, batch_size=size, batch_flag=batch)
+
+
+def check_workload_flags(workload: Workload, flags: dict[str, tuple[str, Any]]) -> Workload:
+    """`workload` with the performance gate's flags applied ({field: (flag, value)}, a None value
+    left alone), each checked by its `perf_gate:` key's own validator (`--duration 0` is refused
+    as `perf_gate.duration_s: 0` is)."""
+    checks = {f.name: f.check for f in PERF_GATE_FIELDS}
+    given = {name: _checked(flag, checks[name], value) for name, (flag, value) in flags.items() if value is not None}
+    return dataclasses.replace(workload, **given)

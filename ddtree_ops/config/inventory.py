@@ -394,6 +394,11 @@ _MULTINODE_KEYS = ("node_rank", "nnodes", "dist_init_addr")
 _MERGED = ("health", "router", "perf_gate")
 
 
+def inventory_keys() -> frozenset[str]:
+    """The keys an inventory may set (besides Ansible's `ansible_*`)."""
+    return frozenset(_KNOWN_KEYS)
+
+
 def load_inventory(path: str | os.PathLike) -> Inventory:
     """Read and validate an inventory file (YAML or INI) with the group_vars/ and host_vars/
     folders beside it. Raises InventoryError naming file/host/field."""

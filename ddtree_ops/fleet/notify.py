@@ -122,6 +122,10 @@ class Notifier(Milestones):
                    aborted=result.aborted, reason=result.abort_reason, seconds=round(result.seconds, 3),
                    stopped_after_canary=getattr(result, "stopped_after_canary", False))
 
+    def send(self, event: NotifyEvent, **fields: Any) -> None:
+        """One milestone with fields of the caller's (a rollout run by an orchestrator)."""
+        self._send(event, **fields)
+
     # -- sending -----------------------------------------------------------------------------------
     def payload(self, event: NotifyEvent, **fields: Any) -> dict[str, Any]:
         doc: dict[str, Any] = {

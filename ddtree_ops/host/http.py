@@ -20,9 +20,18 @@ from .tls import tls_context
 def http_client(host: Host, transport: httpx.BaseTransport | None = None) -> httpx.Client:
     """A client for the host's server. `transport`: None for the network; a fake host passes its
     httpx.MockTransport."""
+    return url_client(host.base_url, key=api_key(host), timeout=host.health.request_timeout_s,
+                      transport=transport)
+
+
+def url_client(base_url: str, *, key: str | None = None, timeout: float,
+               transport: httpx.BaseTransport | None = None) -> httpx.Client:
+    """A client for the server at `base_url`, known by its URL alone (`ddtree-ops gate`, which
+    compares servers no inventory lists), bounded as every client is; `key`: the server's API
+    key. Redirects are not followed: the gate service checks each URL against its allow list, and
+    a redirect would lead past it."""
     headers = dict(IDENTITY)
-    key = api_key(host)
     if key:
         headers["Authorization"] = "Bearer " + key
-    return httpx.Client(base_url=host.base_url, timeout=host.health.request_timeout_s, headers=headers,
-                        trust_env=False, transport=bounded_transport(transport, tls_context))
+    return httpx.Client(base_url=base_url, timeout=timeout, headers=headers, trust_env=False,
+                        follow_redirects=False, transport=bounded_transport(transport, tls_context))

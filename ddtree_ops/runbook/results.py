@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import Any, Iterable, Protocol
 
 from ..config.redaction import scrub_lines
 from ..errors import (
@@ -137,5 +137,10 @@ _SEVERITY = (EXIT_NEEDS_PERSON, EXIT_ROLLED_BACK, EXIT_LOCKED, EXIT_BAD_INPUT, E
 
 
 def overall_exit_code(results: list[HostResult]) -> int:
-    codes = {r.exit_code for r in results}
-    return next((code for code in _SEVERITY if code in codes), EXIT_OK)
+    return worst_exit_code(r.exit_code for r in results)
+
+
+def worst_exit_code(codes: Iterable[int]) -> int:
+    """The rollout's exit code from its hosts' (4 before 3 before 5 before 2)."""
+    seen = set(codes)
+    return next((code for code in _SEVERITY if code in seen), EXIT_OK)

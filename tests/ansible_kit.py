@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from kit import REPO
+from kit import REPO, TestHost, host_tree
 
 COLLECTION_SRC = REPO / "ansible_collections" / "ddtree" / "ops"
 SCENARIO_DIR = REPO / "tests" / "ansible"
@@ -55,3 +55,11 @@ def run(argv: list[str], *, cwd: Path, env: dict[str, str] | None = None, timeou
         raise AssertionError(f"{' '.join(argv)} exited {p.returncode}\n--- stdout\n{p.stdout[-6000:]}"
                              f"\n--- stderr\n{p.stderr[-4000:]}")
     return p
+
+
+def managed_tree(th: TestHost) -> dict:
+    """The host's tree (kit.host_tree) without the servers' own __pycache__ (written by whichever
+    server imported the modules last, stamped with their mtimes): what the tool installs, backs up
+    and restores, byte for byte."""
+    tree = host_tree(th)
+    return {**tree, "files": {p: v for p, v in tree["files"].items() if "/__pycache__/" not in p}}

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from ansible_kit import SCENARIO_DIR, VENV_BIN, ansible_env, build_and_install, run
-from kit import REPO, TestHost, host_tree
+from ansible_kit import SCENARIO_DIR, VENV_BIN, ansible_env, build_and_install, managed_tree, run
+from kit import REPO, TestHost
 
 pytestmark = pytest.mark.sandbox
 
@@ -40,16 +40,6 @@ def _status(env: dict, inv: Path) -> dict[str, dict]:
     return {row["host"]: row for row in json.loads(p.stdout)["hosts"]}
 
 
-def _without_bytecode(tree: dict) -> dict:
-    """A host tree without the servers' own __pycache__ (written by whichever server imported the
-    modules last, stamped with their mtimes): what the tool installs, backs up and restores."""
-    return {**tree, "files": {p: v for p, v in tree["files"].items() if "/__pycache__/" not in p}}
-
-
-def _managed(th: TestHost) -> dict:
-    return _without_bytecode(host_tree(th))
-
-
 def _first(out: str, needle: str) -> int:
     i = out.find(needle)
     assert i >= 0, f"{needle!r} not in the output:\n{out[-4000:]}"
@@ -72,13 +62,13 @@ def test_molecule_converges_canary_then_batch_idempotently_and_a_broken_canary_s
         inv = sbx / "inventory.yaml"
         env["DDTREE_SANDBOX_ROUTER_KEY"] = (sbx / "router.key").read_text().strip()
         hosts = {n: TestHost(n, None, inv) for n in HOSTS}
-        pristine = {n: host_tree(h) for n, h in hosts.items()}
+        pristine = {n: managed_tree(h) for n, h in hosts.items()}
 
         # check mode: the plan says every host would change, and nothing changes
         out = molecule("check")
         for n in HOSTS:
             assert f"changed: [{n}]" in out
-        assert {n: host_tree(h) for n, h in hosts.items()} == pristine
+        assert {n: managed_tree(h) for n, h in hosts.items()} == pristine
         assert all(row["release"] is None for row in _status(env, inv).values())
 
         # converge: the canary alone first, then the batch of two; one rollout on every host
@@ -93,7 +83,7 @@ def test_molecule_converges_canary_then_batch_idempotently_and_a_broken_canary_s
         # idempotence: molecule fails the stage on any `changed`
         out = molecule("idempotence")
         assert "changed=1" not in out
-        deployed = {n: host_tree(h) for n, h in hosts.items()}
+        deployed = {n: managed_tree(h) for n, h in hosts.items()}
         assert deployed != pristine
 
         # side effect: the broken canary fails with exit code 3, restored byte for byte; the play stops
@@ -101,7 +91,7 @@ def test_molecule_converges_canary_then_batch_idempotently_and_a_broken_canary_s
         _first(out, "sbx1 | FAILED at")
         _first(out, "sbx1 | rolled back")
         assert "sbx2 |" not in out and "sbx3 |" not in out
-        assert {n: _managed(h) for n, h in hosts.items()} == {n: _without_bytecode(t) for n, t in deployed.items()}
+        assert {n: managed_tree(h) for n, h in hosts.items()} == deployed
         after = _status(env, inv)
         assert {n: after[n]["release"] for n in HOSTS} == {n: rows[n]["release"] for n in HOSTS}
 

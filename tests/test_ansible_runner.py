@@ -16,24 +16,31 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ansible_kit import VENV_BIN, ansible_env, build_and_install, run
-from kit import REPO, TestHost, host_tree, wait_for
+from ansible_kit import VENV_BIN, ansible_env, build_and_install, managed_tree, run
+from kit import REPO, TestHost, wait_for
 
 pytestmark = pytest.mark.sandbox
 
 PLAYBOOK = "---\n- name: Deploy\n  ansible.builtin.import_playbook: ddtree.ops.deploy\n"
 
 
-@pytest.fixture
-def routed_sandbox(tmp_path):
+@pytest.fixture(scope="module")
+def routed_sandbox(tmp_path_factory):
+    """Two hosts behind smg for the module: each test deploys a host of its own (sbx2, sbx1) and
+    leaves it where it found it."""
     from ddtree_ops.testing.sandbox import Sandbox
 
-    sb = Sandbox(tmp_path / "sbx")
+    sb = Sandbox(tmp_path_factory.mktemp("sbx"))
     try:
         sb.up(2, load_seconds=0.3, router=True)
         yield sb
     finally:
         sb.down()
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    return build_and_install(tmp_path_factory.mktemp("collection"))
 
 
 def _slow_inventory(sb, tmp: Path, load_s: float) -> Path:
@@ -69,13 +76,12 @@ def _run(monkeypatch, tmp: Path, installed, inventory: Path, limit: str, key: st
     return r, events
 
 
-def test_phase_events_arrive_live_and_the_rollback_playbook_undoes_that_rollout(routed_sandbox, tmp_path,
+def test_phase_events_arrive_live_and_the_rollback_playbook_undoes_that_rollout(routed_sandbox, installed, tmp_path,
                                                                                  monkeypatch):
-    installed = build_and_install(tmp_path)
     key = routed_sandbox.router_key_file.read_text().strip()
     inv = Path(routed_sandbox.inventory_path)
     hosts = {n: TestHost(n, routed_sandbox, inv) for n in ("sbx1", "sbx2")}
-    pristine = {n: host_tree(h) for n, h in hosts.items()}
+    pristine = {n: managed_tree(h) for n, h in hosts.items()}
     r, events = _run(monkeypatch, tmp_path, installed, inv, "sbx2", key)
     assert r.status == "successful", r.stdout.read()[-3000:]
     started = next(t for t, e in events if e.get("event") == "playbook_on_task_start"
@@ -106,21 +112,21 @@ def test_phase_events_arrive_live_and_the_rollback_playbook_undoes_that_rollout(
              f"ddtree_rollout_id={res['rollout_id']}"], cwd=tmp_path, env=env)
     assert "sbx2 | restore: undoing release" in p.stdout and "sbx1 | restore" not in p.stdout, p.stdout[-3000:]
     assert "changed: [sbx2]" in p.stdout and "changed: [sbx1]" not in p.stdout
-    assert {n: host_tree(h) for n, h in hosts.items()} == pristine
+    assert {n: managed_tree(h) for n, h in hosts.items()} == pristine
     p = run([str(VENV_BIN / "ansible-playbook"), "-i", str(inv), "ddtree.ops.status", "-e",
              "ddtree_fail_on_drift=true"], cwd=tmp_path, env=env, check=False)
     assert p.returncode == 0, p.stdout[-3000:]
     assert p.stdout.count("health 200") == 2
 
 
-def test_a_cancel_mid_deploy_rolls_the_host_back_and_routes_it_again(routed_sandbox, tmp_path, monkeypatch):
+def test_a_cancel_mid_deploy_rolls_the_host_back_and_routes_it_again(routed_sandbox, installed, tmp_path,
+                                                                    monkeypatch):
     from ddtree_ops.fleet.routing import router_for
 
-    installed = build_and_install(tmp_path)
     inv = _slow_inventory(routed_sandbox, tmp_path, 4.0)
     key = routed_sandbox.router_key_file.read_text().strip()
     th = TestHost("sbx1", routed_sandbox, inv)
-    before = host_tree(th)
+    before = managed_tree(th)
     r, events = _run(monkeypatch, tmp_path, installed, inv, "sbx1", key, cancel_on="sbx1 | phase: weights")
     assert r.status == "canceled", r.status
     assert not any(e.get("event") == "runner_on_ok" and e["event_data"].get("task") == "Deploy the host"
@@ -137,7 +143,7 @@ def test_a_cancel_mid_deploy_rolls_the_host_back_and_routes_it_again(routed_sand
     # The tool's command outlives the cancelled job and rolls the host back (the CLI's exit 3 path).
     wait_for(lambda: (rollout_outcome() or "").startswith("rolled back (interrupted (SIGTERM)"), timeout=90,
              what="the cancelled deploy's rollback")
-    assert host_tree(th) == before
+    assert managed_tree(th) == before
     h = th.host
     assert th.unit_state(h.conflicts[0]) == "active" and th.unit_state(h.unit) != "active"
 

@@ -1,12 +1,16 @@
-"""The ddtree.ops collection as Ansible's own tools judge it, offline: `ansible-test sanity`
-(validate-modules, import, pylint, pep8, yamllint and the rest the collection's Python allows)
-and `ansible-test units` on the installed tarball, `ansible-lint` on its playbooks and the
-molecule scenario, and the execution environment's build context from `ansible-builder create`.
+"""The ddtree.ops collection as Ansible's own tools judge it, offline.
+
+`ansible-test sanity` (validate-modules, import, pylint, pep8, yamllint and the rest the
+collection's Python allows), `ansible-test units` and `ansible-lint` on the playbooks and the
+molecule scenario run on the built tarball as a lint stage of the test command
+(scripts/check-collection, beside ruff, while the sglang venv installs): any finding fails the
+run. Here: that each of them can fail, on a copy with one planted fault, and what the build makes
+(the tarball's contents, the execution environment's build context from `ansible-builder create`).
 
 ansible-test fetches a pip bootstrap script from ci-files.testing.ansible.com for each sanity
 virtual environment, which cannot be reached here: tests/ansible/get_pip_offline.py stands in
-for it in ansible-test's cache (scripts/setup-ansible-test, which the test command runs, also
-prepares the environments ahead with `--prime-venvs`; their packages come from the package index)."""
+for it in ansible-test's cache (scripts/setup-ansible-test; the environments' packages come from
+the package index)."""
 
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ import tarfile
 import pytest
 import yaml
 
-from ansible_kit import SCENARIO_DIR, VENV_BIN, ansible_env, build_and_install, run
+from ansible_kit import VENV_BIN, ansible_env, build_and_install, run
 from kit import REPO
 
 pytestmark = pytest.mark.sandbox  # real tool runs into fresh virtual environments (minutes on a fresh machine)
@@ -49,19 +53,9 @@ def test_the_tarball_holds_the_collection_and_nothing_of_the_test_output(install
     assert runtime["requires_ansible"].startswith(">=")
 
 
-def test_ansible_test_sanity_passes_offline_on_the_installed_collection(installed):
-    _seed_get_pip()
-    p = run([str(VENV_BIN / "ansible-test"), "sanity", "--python", PYTHON, "--color", "no"], cwd=installed.root,
-            env=ansible_env(installed), timeout=600, check=False)
-    out = p.stdout + p.stderr
-    assert p.returncode == 0, out[-6000:]
-    for test in ("validate-modules", "import", "pylint", "pep8", "yamllint", "action-plugin-docs", "ansible-doc"):
-        assert f'Running sanity test "{test}"' in out, test
-    assert "ERROR" not in out, out[-4000:]
-
-
 def test_a_broken_module_document_fails_sanity(installed, tmp_path):
-    """The sanity run above can fail: a copy with an option its document does not describe."""
+    """check-collection's sanity run can fail: a copy whose document has an option of no valid type
+    fails validate-modules with exactly that error."""
     _seed_get_pip()
     copy = tmp_path / "ansible_collections" / "ddtree" / "ops"
     shutil.copytree(installed.root, copy)
@@ -75,27 +69,24 @@ def test_a_broken_module_document_fails_sanity(installed, tmp_path):
                       "not a valid value for dictionary value @ data['options']['bundle']['type']. Got 'pathh'"]
 
 
-def test_ansible_test_units_pass(installed):
-    p = run([str(VENV_BIN / "ansible-test"), "units", "--python", PYTHON, "--color", "no", "--num-workers", "1"],
-            cwd=installed.root,
-            env=ansible_env(installed), timeout=300)
-    assert " passed" in p.stdout and " failed" not in p.stdout
-
-
-def test_ansible_lint_passes_the_playbooks_and_the_scenario_and_finds_a_bare_module_name(installed, tmp_path):
-    """One ansible-lint run (it costs seconds of CPU to start) over the collection's playbooks, the
-    molecule scenario and a playbook with a bare module name: the last is its only finding."""
-    work = tmp_path / "lint"
-    shutil.copytree(installed.root / "playbooks", work / "playbooks")
-    shutil.copytree(SCENARIO_DIR / "molecule", work / "molecule")
-    (work / "bad.yml").write_text("---\n- name: Bad\n  hosts: all\n  tasks:\n    - name: Not fully qualified\n"
-                                  "      debug:\n        msg: hi\n")
-    p = run([str(VENV_BIN / "ansible-lint"), "--offline", "--nocolor", "-f", "pep8", "playbooks/", "molecule/",
-             "bad.yml"], cwd=work, env=ansible_env(installed), timeout=300, check=False)
-    out = p.stdout + p.stderr
+def test_ansible_lint_finds_a_bare_module_name_and_nothing_else(installed, tmp_path):
+    """check-collection's ansible-lint run can fail: a playbook with a bare module name."""
+    (tmp_path / "bad.yml").write_text("---\n- name: Bad\n  hosts: all\n  tasks:\n    - name: Not fully qualified\n"
+                                      "      debug:\n        msg: hi\n")
+    p = run([str(VENV_BIN / "ansible-lint"), "--offline", "--nocolor", "-f", "pep8", "bad.yml"], cwd=tmp_path,
+            env=ansible_env(installed), timeout=300, check=False)
     assert p.returncode != 0
     findings = re.findall(r"^(\S+\.yml):\d+:\d+: (\S+):", p.stdout, re.M)
-    assert findings == [("bad.yml", "fqcn[action-core]")], out[-4000:]
+    assert findings == [("bad.yml", "fqcn[action-core]")], (p.stdout + p.stderr)[-4000:]
+
+
+def test_the_test_command_runs_the_collections_checks_after_their_environments():
+    script = (REPO / "scripts" / "test").read_text()
+    assert "bash scripts/setup-ansible-test && bash scripts/check-collection" in script
+    checks = (REPO / "scripts" / "check-collection").read_text()
+    for step in ("ansible-galaxy collection build", "ansible-galaxy collection install", "ansible-test sanity",
+                 "ansible-test units", "ansible-lint --offline --nocolor playbooks/ molecule/"):
+        assert step in checks, step
 
 
 def test_ansible_builder_creates_the_execution_environments_build_context(installed, tmp_path):

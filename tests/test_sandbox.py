@@ -358,3 +358,17 @@ def test_sandbox_nvidia_smi_never_lists_a_process_that_reused_a_registrants_pid(
         child.wait()
     assert f"{os.getpid()}, 1000" in out and "1, 3000" in out
     assert f"{child.pid}, 2000" not in out, out
+
+
+def test_a_low_inotify_instance_limit_is_raised_and_a_high_one_left_alone(tmp_path):
+    from ddtree_ops.testing.sandbox.system import ensure_inotify_instances
+
+    limit = tmp_path / "max_user_instances"
+    limit.write_text("128\n")
+    said = ensure_inotify_instances(limit, 1024)
+    assert said == "fs.inotify.max_user_instances raised from 128 to 1024 (each sandbox host's systemd holds about 8)"
+    assert limit.read_text() == "1024\n"
+    limit.write_text("8192\n")
+    assert ensure_inotify_instances(limit, 1024) is None
+    assert limit.read_text() == "8192\n"
+    assert ensure_inotify_instances(tmp_path / "absent", 1024) is None

@@ -7,6 +7,7 @@ import json
 import os
 import random
 import shutil
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -30,7 +31,7 @@ from .namespaces import (
 )
 from .prerequisites import missing_prerequisites
 from .processes import _kill_namespace_processes, _port_open, wait_healthy
-from .system import file_lock, run
+from .system import ensure_inotify_instances, file_lock, run
 from .wheelcache import sglang_site_tree
 
 # What `down` deletes in the sandbox folder (besides hosts/); the folder goes too when then empty.
@@ -82,6 +83,9 @@ class Sandbox:
         if missing:
             raise SandboxError("cannot create sandbox hosts; missing:\n  - " + "\n  - ".join(missing))
         site_tree = sglang_site_tree()
+        said = ensure_inotify_instances()
+        if said:
+            print(f"sandbox: {said}", file=sys.stderr)
         if self._load_state() is not None:
             self.down()  # running `up` again replaces the previous hosts cleanly
         self.dir.mkdir(parents=True, exist_ok=True)

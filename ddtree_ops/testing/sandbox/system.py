@@ -42,3 +42,30 @@ def port_open(addr: str, port: int, timeout: float) -> bool:
             return True
     except OSError:
         return False
+
+
+# Each sandbox host's systemd (PID 1, journald, udevd, logind, ...) holds about 8 inotify
+# instances, and the kernel's default per-user limit is 128: 16 hosts at once (the suite runs four
+# workers' sandboxes beside the collection's, the gate's and the fault tests' own) and the next
+# container's systemd fails to boot ("Failed to create inotify object: Too many open files").
+# The usual fix for systemd in containers (kind, k3d, podman): raise the limit.
+INOTIFY_INSTANCES = Path("/proc/sys/fs/inotify/max_user_instances")
+INOTIFY_INSTANCES_WANTED = 1024
+
+
+def ensure_inotify_instances(path: Path = INOTIFY_INSTANCES, wanted: int = INOTIFY_INSTANCES_WANTED) -> str | None:
+    """Raise fs.inotify.max_user_instances to `wanted` when it is lower (root only); the line that
+    says so, or None when nothing changed. A limit that cannot be raised is left as it is: the
+    boot's own error then names it."""
+    try:
+        now = int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+    if now >= wanted:
+        return None
+    try:
+        path.write_text(f"{wanted}\n")
+    except OSError as e:
+        return f"fs.inotify.max_user_instances is {now} and could not be raised ({e.strerror}): at most {now // 8} " \
+               f"sandbox hosts can boot at once"
+    return f"fs.inotify.max_user_instances raised from {now} to {wanted} (each sandbox host's systemd holds about 8)"

@@ -99,23 +99,10 @@ SPLIT_BY_TEST = ("tests/test_runbook.py", "tests/test_heal_report.py", "tests/te
 #   operation, which imports torch._dynamo (4-6 CPU-s; two workers paid it in every quick loop);
 SAME_WORKER = {"tests/payload/test_tree_step_cpu.py": "tests/payload/test_tree_builder.py"}
 # - work whose node id starts with one of these goes out first, in this order (the longest first;
-#   the sandbox files measured in a whole run, worker-seconds by bench/suite_cpu_profile.py on
-#   2026-12-04, then the fast tier's in the quick loop on 2 cores): a wrong or stale entry costs
-#   only time. Without the sandbox files here, xdist's order (most tests first) sent the one-test
-#   molecule scenario (107 s) out last, and the run ended 27 s after the other workers.
+#   measured in the quick loop on 2 cores): a wrong or stale entry costs only time. (Sending the
+#   sandbox tier's longest files out first too was tried on 2026-12-04: the whole run took 609 s
+#   against 546 s without, every heavy file contending at once; left out.)
 LONG_FIRST = (
-    "tests/test_faults.py",
-    "tests/test_deploy.py",
-    "tests/test_ansible_molecule.py",
-    "tests/test_router_port_faults.py",
-    "tests/test_live_traffic.py",
-    "tests/test_outage_corpus.py",
-    "tests/test_lease.py",
-    "tests/test_ansible_runner.py",
-    "tests/test_perfgate_sandbox.py",
-    "tests/test_controller_lost.py",
-    "tests/test_ssh_blips.py",
-    "tests/test_secrets.py",
     "tests/test_runbook.py::test_a_controller_killed_at_any_call",
     "tests/test_heal_report.py::test_a_controller_killed_at_any_call",
     "tests/test_runbook.py::test_a_connection_lost_at_any_remote_call",

@@ -14,7 +14,6 @@ from __future__ import annotations
 from ansible.errors import AnsibleError
 
 from ansible_collections.ddtree.ops.plugins.plugin_utils.action import ToolAction, display
-from ansible_collections.ddtree.ops.plugins.plugin_utils.tool import host_inventory
 
 ARGUMENT_SPEC = {
     "event": {"type": "str", "choices": ["start", "batch", "finish"], "default": "start"},
@@ -35,22 +34,17 @@ class ActionModule(ToolAction):
 
     def play_hosts(self, task_vars):
         """The Host of every host of the play, from its own vars."""
-        from ddtree_ops.config.inventory import inventory_keys, parse_inventory
+        from ddtree_ops.config.inventory import parse_inventory
         from ddtree_ops.errors import DdtreeOpsError
 
-        wanted = inventory_keys()
         out = []
         hostvars = task_vars.get("hostvars") or {}
         for name in [str(n) for n in task_vars.get("ansible_play_hosts_all") or [task_vars["inventory_hostname"]]]:
             hv = hostvars[name]
-            picked = dict((k, self._templar.template(hv[k])) for k in list(hv.keys()) if k in wanted
-                          or k.startswith("ansible_"))
-            if str(picked.get("ansible_host", "")) == name:
-                del picked["ansible_host"]  # Ansible's default, as in ToolAction.host_doc
+            doc = self.inventory_of(name, hv, hv.get("inventory_dir"))
             try:
-                doc = host_inventory(name, picked, hv.get("inventory_dir"))
                 out.append(parse_inventory(doc, "ansible vars of %s" % name).hosts[name])
-            except DdtreeOpsError as e:
+            except DdtreeOpsError as e:  # a bad var of a host: its message names the host and the field
                 raise AnsibleError(str(e)) from None
         return out
 

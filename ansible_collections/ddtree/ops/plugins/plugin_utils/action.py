@@ -40,20 +40,25 @@ class ToolAction(ActionBase):
         return new_args
 
     def host_doc(self, task_vars):
-        """The host's one-host inventory from its vars, templates rendered as Ansible would."""
+        """(name, one-host inventory) of the task's host, from its vars."""
+        host = str(task_vars["inventory_hostname"])
+        return host, self.inventory_of(host, task_vars, task_vars.get("inventory_dir"))
+
+    def inventory_of(self, host, hostvars, inventory_dir):
+        """The one-host inventory of `host` from its vars (`hostvars`: the task's vars, or
+        hostvars[host] for another host of the play), templates rendered as Ansible would."""
         from ddtree_ops.config.inventory import inventory_keys
         from ddtree_ops.errors import DdtreeOpsError
 
-        host = str(task_vars["inventory_hostname"])
         wanted = inventory_keys() | frozenset(_ANSIBLE_CONNECTION)
-        hostvars = dict((k, self._templar.template(v)) for k, v in task_vars.items() if k in wanted)
-        if str(hostvars.get("ansible_host", "")) == host:
+        picked = dict((k, self._templar.template(hostvars[k])) for k in list(hostvars.keys()) if k in wanted)
+        if str(picked.get("ansible_host", "")) == host:
             # Ansible fills ansible_host with the host's name when no var sets it: the tool's own
             # default (a host without an address is reached at its name), not a value to weigh
             # against an `address` the inventory sets.
-            del hostvars["ansible_host"]
+            del picked["ansible_host"]
         try:
-            return host, host_inventory(host, hostvars, task_vars.get("inventory_dir"))
+            return host_inventory(host, picked, inventory_dir)
         except DdtreeOpsError as e:  # the tool's InventoryError: its message names the host and the field
             raise AnsibleError(str(e)) from None
 

@@ -46,6 +46,15 @@ def test_a_hosts_ansible_vars_become_its_inventory_with_ansibles_names_mapped_an
     assert (h.budget, h.topk_cap, h.conflicts) == (16, 4, ("sglang-dflash.service",))
 
 
+def test_ansibles_default_ansible_host_gives_way_to_the_inventorys_address():
+    # Ansible sets ansible_host to the host's name when no var does: not a second address
+    doc = host_inventory_doc("gpu1", {**HOSTVARS, "ansible_host": "gpu1", "address": "10.200.9.3"})
+    assert parse_inventory(doc, "ansible vars of gpu1").hosts["gpu1"].address == "10.200.9.3"
+    doc = host_inventory_doc("gpu1", {**HOSTVARS, "address": "10.200.9.3"})  # a real one still disagrees
+    with pytest.raises(InventoryError, match="ansible_host.*disagrees with address"):
+        parse_inventory(doc, "ansible vars of gpu1")
+
+
 def test_ansibles_tagged_strings_are_written_as_plain_values():
     class Tagged(str):  # ansible-core 2.19's tagged values are str subclasses YAML cannot represent
         pass

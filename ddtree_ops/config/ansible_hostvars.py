@@ -9,6 +9,10 @@ everything else is Ansible's business and left out, as `ansible_*` is in an inve
 result is an ordinary one-host inventory document, validated by the same code as a file, so a bad
 value fails with the same message naming the host and the field.
 
+Ansible fills `ansible_host` with the host's name when no var sets it: that is the tool's own
+default (a host without an address is reached at its name), not a value to weigh against an
+`address` the inventory sets, so it is dropped.
+
 A `perf_gate.prompts_file` given relative is relative to the host's inventory (Ansible's
 `inventory_dir`), as in a file; it is made absolute here because the document is written elsewhere.
 A multi-node server needs all its nodes in one run: one Ansible task is one host, so its members
@@ -25,20 +29,28 @@ from ..errors import InventoryError
 from .ansible_vars import ALIASES
 from .inventory import inventory_keys
 
-__all__ = ["host_inventory_doc"]
+__all__ = ["host_inventory_doc", "host_var_names"]
 
 _ANSIBLE_NAMES = frozenset(n for names in ALIASES.values() for n in names)
 _MULTINODE = ("multinode", "node_rank", "nnodes", "dist_init_addr")
+
+
+def host_var_names() -> frozenset[str]:
+    """The vars of a host the tool reads (its inventory keys and Ansible's connection vars): the
+    ones a caller needs to render, the rest it may leave alone."""
+    return inventory_keys() | _ANSIBLE_NAMES
 
 
 def host_inventory_doc(name: str, hostvars: Mapping[str, Any], *, inventory_dir: str | None = None,
                        where: str = "ansible hostvars") -> dict[str, Any]:
     """`{"all": {"hosts": {name: vars}}}` with the tool's vars of `hostvars`, plain values only."""
     name = str(name)  # a tagged str (ansible-core 2.19) is not a plain value for YAML
-    wanted = inventory_keys() | _ANSIBLE_NAMES
+    wanted = host_var_names()
     picked: dict[str, Any] = {}
     for key in sorted(k for k in hostvars if k in wanted):
         picked[str(key)] = _plain(hostvars[key], where, name, str(key))
+    if picked.get("ansible_host") == name:
+        del picked["ansible_host"]  # Ansible's default, not a setting (module docstring)
     if any(picked.get(k) not in (None, False) for k in _MULTINODE):
         raise InventoryError(where, name, next(k for k in _MULTINODE if picked.get(k) not in (None, False)),
                              "a multi-node server's nodes deploy together, which one Ansible task (one host) "

@@ -77,10 +77,10 @@ def check_batch(hosts: Sequence[Host], batch: Sequence[str], *, max_unavailable:
     if len(batch) > policy.max_unavailable:
         raise InputError(f"a batch of {len(batch)} ({', '.join(batch)}) would take more targets out of service at "
                          f"once than {policy.said}: make the play's serial batches at most {policy.max_unavailable}")
+    names = ", ".join(batch)
     gate = router_gate(targets, policy, routers)
     if gate is None:
-        return f"batch {', '.join(batch)}: {len(batch)} of at most {policy.max_unavailable} ({policy.said}); no router"
-    names = ", ".join(batch)
+        return f"batch {names}: {len(batch)} of at most {policy.max_unavailable} ({policy.said}); no router"
     after = f"before {names}" + ("" if changed else "; nothing was changed")
     try:
         adm = gate([by_name[n] for n in batch])

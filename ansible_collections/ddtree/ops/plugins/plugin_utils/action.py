@@ -21,9 +21,6 @@ EXIT_MEANING = {
     4: "failed and the rollback failed too: a person must look",
     5: "the deploy lock is held by another run",
 }
-_ANSIBLE_CONNECTION = ("ansible_host", "ansible_ssh_host", "ansible_port", "ansible_ssh_port", "ansible_user",
-                       "ansible_ssh_user", "ansible_ssh_private_key_file", "ansible_private_key_file",
-                       "ansible_python_interpreter")
 
 
 class ToolAction(ActionBase):
@@ -47,16 +44,11 @@ class ToolAction(ActionBase):
     def inventory_of(self, host, hostvars, inventory_dir):
         """The one-host inventory of `host` from its vars (`hostvars`: the task's vars, or
         hostvars[host] for another host of the play), templates rendered as Ansible would."""
-        from ddtree_ops.config.inventory import inventory_keys
+        from ddtree_ops.config.ansible_hostvars import host_var_names
         from ddtree_ops.errors import DdtreeOpsError
 
-        wanted = inventory_keys() | frozenset(_ANSIBLE_CONNECTION)
+        wanted = host_var_names()
         picked = dict((k, self._templar.template(hostvars[k])) for k in list(hostvars.keys()) if k in wanted)
-        if str(picked.get("ansible_host", "")) == host:
-            # Ansible fills ansible_host with the host's name when no var sets it: the tool's own
-            # default (a host without an address is reached at its name), not a value to weigh
-            # against an `address` the inventory sets.
-            del picked["ansible_host"]
         try:
             return host_inventory(host, picked, inventory_dir)
         except DdtreeOpsError as e:  # the tool's InventoryError: its message names the host and the field

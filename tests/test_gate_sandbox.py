@@ -19,7 +19,11 @@ from test_perfgate_sandbox import GATE, payload_patchset  # noqa: F401 (a fixtur
 
 from kit import run_cli, wait_for, write_inventory
 
-SLOWED = ["--standin-tokens-per-second", "60"]  # test_perfgate_sandbox.py's slowed copy
+# The slowed copy, paced at 20 tokens/s a stream: its 2 streams give about 40 tok/s, so it fails
+# the gate's -50 % on tok/s against any baseline above 80. At 60 (test_perfgate_sandbox.py's
+# figure, about 92 tok/s here) a baseline measured on a loaded machine (163 tok/s in a whole-suite
+# run, 430-500 alone) left it a marginal -44 % on tok/s, and the gate failed it on ITL instead.
+SLOWED = ["--standin-tokens-per-second", "20"]
 
 
 def _inventory(sandbox, path: Path) -> Path:

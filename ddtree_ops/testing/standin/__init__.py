@@ -32,6 +32,23 @@ logged with its traceback and the server decodes with accept length 1.0. With
 formula's (``state.default_accept_length``). No payload maths runs per request: a busy machine
 slows every release alike.
 
+A verify step's time follows a GPU's roofline (``costmodel``, which says why and what it ignores):
+with ``--standin-verify-steps-per-second N`` and ``--standin-verify-knee-tokens K`` (default 256) a
+step takes (1/N) x max(1, batch x width / K), width the tokens each request verifies (a DDTree's
+budget + 1, DFlash's 16) and batch the requests generating then. A wide tree is free at batch 1 and
+costly at batch 16, so the best budget / top-k cap shrinks as the concurrency grows, which is what
+``ddtree-ops tune`` has to find; ``costmodel.expected_output_tps`` is the same model for a test to
+rank configs with. K <= 0 or inf turns it off; ``--standin-tokens-per-second`` and
+``--standin-generate-seconds`` do not use it. ``/server_info`` shows ``standin_verify_knee_tokens``
+(None when the model does not pace) and ``standin_verify_width``; the start-up "Stand-in pacing"
+line says the model in effect.
+
+``--standin-fail-budget-above N`` stands for a GPU whose CUDA graphs do not fit a bigger tree (SGLang
+on sm_103 for budgets above 8): with ``--speculative-algorithm DDTREE`` and a budget above N,
+start-up logs SGLang's ``Capture cuda graph failed`` traceback after the capture's begin line and
+exits 1 before the port opens, so a deploy's weight-loading wait sees the server die and rolls back;
+a budget at or under N, or a DFlash server, starts as usual.
+
 Fault and timing knobs (passed through the inventory's ``extra_args``) are the
 ``--standin-*`` flags (``args.build_parser``); ``DDTREE_STANDIN_LOAD_SECONDS`` in the
 environment overrides ``--standin-load-seconds``.
@@ -52,6 +69,7 @@ Modules, by concern:
     args       the launch flags: --config merged, parsed, unknown ones recorded, secrets masked
     payload    the DDTree modules: found beside sglang, imported, their functions looked up
     calibration  the payload's accept length, measured once at start-up
+    costmodel  a verify step's time for a batch and a tree width (pure; tests rank configs with it)
     toymodel   the toy model, sampling, autoregressive and DDTree decoding
     state      what the server answers: info documents, /generate, counters
     server     HTTP: the handler and the threading server

@@ -5,11 +5,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
 
 from ddtree_ops.config.redaction import MASK, is_secret_name
+
+from .costmodel import DEFAULT_KNEE_TOKENS
+
+
+def knee_tokens(text: str) -> float:
+    """--standin-verify-knee-tokens's value: a number of tokens, "inf" or <= 0 for no cost model
+    (costmodel.cost_model_on); "nan" or a word is argparse's "invalid value" (exit 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if math.isnan(value):
+        raise argparse.ArgumentTypeError(f"not a number of tokens: {text!r} (give e.g. 256, or inf for "
+                                         "no cost model)")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,7 +89,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "N x the accept length tokens/s")
     g.add_argument("--standin-verify-steps-per-second", type=float, default=400.0, metavar="N",
                    help="verify steps (target forwards) per second and request when --standin-tokens-per-second "
-                        "is not given: the decode rate at accept length 1 (default 400)")
+                        "is not given: the decode rate at accept length 1 (default 400), as long as the "
+                        "batch's verified tokens stay under the knee (--standin-verify-knee-tokens)")
+    g.add_argument("--standin-verify-knee-tokens", type=knee_tokens, default=DEFAULT_KNEE_TOKENS, metavar="K",
+                   help="the verify cost model (costmodel.py): with --standin-verify-steps-per-second N, a step "
+                        "takes (1/N) x max(1, batch x width / K), batch the requests generating, width the "
+                        "tokens each verifies (DDTree budget + 1, DFlash 16, or --speculative-num-draft-tokens); "
+                        f"K <= 0 or inf: always 1/N (default {DEFAULT_KNEE_TOKENS:g})")
+    g.add_argument("--standin-fail-budget-above", type=int, default=None, metavar="N",
+                   help="with --speculative-algorithm DDTREE and a budget above N, start-up fails while "
+                        "capturing the verify CUDA graph (exit 1 before the port opens), as SGLang did on "
+                        "sm_103 for budgets above 8")
     g.add_argument("--standin-accept-length", type=float, default=None, metavar="A",
                    help="average accept length (tokens committed per verify step, >= 1) reported and paced. "
                         "Default: measured from the DDTree payload once at start-up (greedy and at temperature 1, "

@@ -8,8 +8,16 @@ A verify step commits the release's accept length's worth of tokens (`State.acce
 commits floor((i+1)A) - floor(iA)): the --standin-accept-length knob; else what the DDTree payload
 accepted when it was measured at start-up (calibration.py); else, with DDTREE and no payload
 functions, `default_accept_length`'s formula; else 1. A step takes n/R seconds with
---standin-tokens-per-second R, else 1/N with --standin-verify-steps-per-second N (default
-BASE_VERIFY_STEPS_PER_SECOND), so the decode rate is N x the accept length tokens/s.
+--standin-tokens-per-second R, else the verify cost model's step time (costmodel.py, which says
+why): with --standin-verify-steps-per-second N (default BASE_VERIFY_STEPS_PER_SECOND) and the knee
+K of --standin-verify-knee-tokens (default costmodel.DEFAULT_KNEE_TOKENS, 256),
+(1/N) x max(1, batch x width / K), where width is the tokens each request verifies per step
+(`State.verify_width`: a DDTree's budget + 1, DFlash's 16, or --speculative-num-draft-tokens) and
+batch the requests generating when the step is scheduled (`State.active`, read at each step). So
+the decode rate is N x the accept length tokens/s while batch x width stays under K (a wide tree
+is free at batch 1) and falls as K / (batch x width) past it (the best tree shrinks as the
+concurrency grows); K <= 0 or inf turns the model off (always 1/N). Neither R nor
+--standin-generate-seconds uses the model.
 
 The tokens themselves are the toy model's, sampled one by one (a few microseconds each; a tree
 verify is lossless, so they follow the same distribution as the payload's), and no maths of the
@@ -45,6 +53,7 @@ from ddtree_ops.config.redaction import MASK
 
 from .args import masked
 from .calibration import Calibration, calibrate
+from .costmodel import cost_model_on, verified_tokens_per_request, verify_step_seconds
 from .logs import log
 from .payload import PayloadError, lookup_ddtree_functions
 from .toymodel import (
@@ -289,6 +298,47 @@ class State:
             return n
         return 16 if (self.args.speculative_algorithm or "").upper() == "DFLASH" else self.budget() + 1
 
+    def verify_width(self) -> int:
+        """Tokens each request verifies per step, as the cost model counts them
+        (costmodel.verified_tokens_per_request: `num_draft_tokens` with speculative decoding, else 1)."""
+        a = self.args
+        return verified_tokens_per_request(a.speculative_algorithm, self.budget(), a.speculative_num_draft_tokens)
+
+    def verify_steps_per_second(self) -> float:
+        """N of the pacing (--standin-verify-steps-per-second; BASE_VERIFY_STEPS_PER_SECOND when not
+        above 0)."""
+        n = getattr(self.args, "standin_verify_steps_per_second", None) or 0.0
+        return n if n > 0 else BASE_VERIFY_STEPS_PER_SECOND
+
+    def verify_knee_tokens(self) -> float | None:
+        """The cost model's knee when it paces this server's steps, else None: off with a knee <= 0
+        or inf, and unused with --standin-tokens-per-second or --standin-generate-seconds."""
+        a = self.args
+        if (a.standin_tokens_per_second or 0) > 0 or (a.standin_generate_seconds or 0) > 0:
+            return None
+        knee = getattr(a, "standin_verify_knee_tokens", None)
+        return float(knee) if knee is not None and cost_model_on(knee) else None
+
+    def describe_cost_model(self) -> str:
+        """The start-up log's words for the verify cost model in effect."""
+        a = self.args
+        if (a.standin_tokens_per_second or 0) > 0:
+            return "verify cost model unused (--standin-tokens-per-second paces)"
+        if (a.standin_generate_seconds or 0) > 0:
+            return "verify cost model unused (--standin-generate-seconds paces)"
+        knee = self.verify_knee_tokens()
+        if knee is None:
+            return f"verify cost model off (--standin-verify-knee-tokens {a.standin_verify_knee_tokens:g})"
+        width = self.verify_width()
+        flat = int(knee // width)
+        return (f"verify cost model: step x max(1, batch x {width} tokens / {knee:g} knee tokens), "
+                + (f"flat up to a batch of {flat}" if flat >= 1 else "past the knee from batch 1"))
+
+    def verify_step_seconds(self) -> float:
+        """One verify step's time for a step scheduled now (the cost model at the current batch)."""
+        return verify_step_seconds(self.verify_steps_per_second(), self.verify_width(), self.active,
+                                   self.verify_knee_tokens())
+
     def draft_tokens_per_step(self) -> int:
         """Drafts proposed per verify step (SGLang: speculative_num_draft_tokens - 1)."""
         return max(1, self.num_draft_tokens() - 1)
@@ -353,6 +403,8 @@ class State:
             "standin_ddtree_path": self.ddtree_fns is not None,
             "standin_payload_errors": self.payload_errors,
             "standin_paced_gen_throughput": self.paced_gen_throughput,
+            "standin_verify_knee_tokens": self.verify_knee_tokens(),
+            "standin_verify_width": self.verify_width(),
             "standin_extra_args": masked(self.extra),
             "internal_states": [dict(state) for _ in range(max(1, a.dp_size))],
             "status": self.status,
@@ -471,8 +523,6 @@ class Generation:
     def chunks(self) -> Iterator[dict[str, Any]]:
         a = self.state.args
         rate = a.standin_tokens_per_second if (a.standin_tokens_per_second or 0) > 0 else None
-        steps_per_s = getattr(a, "standin_verify_steps_per_second", None) or BASE_VERIFY_STEPS_PER_SECOND
-        step_s = 1.0 / steps_per_s if steps_per_s > 0 else 1.0 / BASE_VERIFY_STEPS_PER_SECOND
         total_s = 0.0 if self.warmup else max(0.0, a.standin_generate_seconds or 0.0)
         ttft = max(0.0, a.standin_ttft_seconds or 0.0)
         if total_s > 0:
@@ -502,7 +552,8 @@ class Generation:
                 else:
                     # A step starts when the previous one is out, and not before it was due: a late
                     # chunk shifts the steps after it (never a burst of missed steps to catch up).
-                    took = len(step) / rate if rate is not None else step_s
+                    # Its time is the cost model's at the batch generating now (costmodel.py).
+                    took = len(step) / rate if rate is not None else self.state.verify_step_seconds()
                     due = max(due, times[-1]) + took
                     self._paced_s += took
                 if final and total_s > 0:

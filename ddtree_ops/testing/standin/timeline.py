@@ -19,7 +19,14 @@ The log, in SGLang 0.5.23's order and words (port closed until the Uvicorn lines
     The server is fired up and ready to roll!                       (http_server.py _wait_and_warmup)
 
 L is --standin-load-seconds, C --standin-cuda-graph-seconds; the warm-up lasts --standin-warmup-seconds
-(plus its 8-token generate)."""
+(plus its 8-token generate). With --standin-fail-budget-above N and a DDTree budget above N the
+capture fails after its begin line, as SGLang 0.5.23's did on sm_103 for budgets above 8: the log gets
+
+    [TP0] Scheduler hit an exception: Traceback (most recent call last): ... RuntimeError: CUDA error:
+          too many resources requested ... speculative_ddtree_budget=B ... During handling of the above
+          exception, another exception occurred: ... Exception: Capture cuda graph failed: ... Possible solutions: ...
+
+and the process exits 1 with the port never opened (a deploy's weight wait sees it die)."""
 
 from __future__ import annotations
 
@@ -139,6 +146,41 @@ def _sleep(seconds: float) -> None:
 
 def _crash_in_load() -> None:
     raise RuntimeError("Stand-in fault: crash during weight loading (--standin-crash-during-load)")
+
+
+# SGLang 0.5.23's hint after a failed decode/verify graph capture
+# (srt/model_executor/runner_backend_utils/__init__.py).
+CUDA_GRAPH_CAPTURE_FAILED_MSG = (
+    "Possible solutions:\n"
+    "1. set --mem-fraction-static to a smaller value (e.g., 0.8 or 0.7)\n"
+    "2. set --cuda-graph-max-bs-decode to a smaller value (e.g., 16)\n"
+    "3. disable decode CUDA graph by --cuda-graph-backend-decode=disabled. "
+    "(Not recommended. Huge performance loss)\n"
+    "Open an issue on GitHub https://github.com/sgl-project/sglang/issues/new/choose \n"
+)
+
+
+def _capture_verify_graph(args, state: State) -> None:
+    """The verify graph's capture: it fails, with --standin-fail-budget-above N, for a DDTree budget
+    above N, as SGLang 0.5.23's DDTree verify graph did on sm_103 for budgets above 8."""
+    limit = args.standin_fail_budget_above
+    if limit is None or (args.speculative_algorithm or "").upper() != "DDTREE" or state.budget() <= limit:
+        return
+    raise RuntimeError(
+        f"CUDA error: too many resources requested for launch while capturing the DDTree target verify "
+        f"graph: speculative_ddtree_budget={state.budget()} (num_tokens_per_req={state.num_draft_tokens()}) "
+        f"is above {limit}, the largest budget this GPU captures (stand-in fault: "
+        f"--standin-fail-budget-above {limit})")
+
+
+def _capture_cuda_graph(args, state: State) -> None:
+    """SGLang 0.5.23's DecodeCudaGraphRunner.__init__ (srt/model_executor/runner/decode_cuda_graph_runner.py):
+    a RuntimeError while capturing becomes `Exception("Capture cuda graph failed: ...")`, raised
+    inside the handler, so the log's traceback shows both."""
+    try:
+        _capture_verify_graph(args, state)
+    except RuntimeError as e:
+        raise Exception(f"Capture cuda graph failed: {e}\n{CUDA_GRAPH_CAPTURE_FAILED_MSG}")  # noqa: B904 - as SGLang raises it
 
 
 def _local_url(host: str, port: int) -> str:
@@ -326,6 +368,11 @@ def run(argv: list[str] | None = None) -> int:
         log(f"Capture {capture_name} CUDA graph begin. backend=full, "
             f"num_tokens_per_req={_num_tokens_per_req(args, state)}, avail mem={mem - 70.0:.2f} GB", "TP0")
         _sleep(max(0.0, args.standin_cuda_graph_seconds))
+        try:
+            _capture_cuda_graph(args, state)
+        except Exception:  # noqa: BLE001 - SGLang: the scheduler logs it and the server exits 1
+            log(f"Scheduler hit an exception: {traceback.format_exc()}", "TP0")
+            return 1
         graph_elapsed = time.monotonic() - t_graph
         log(f"Capture {capture_name} CUDA graph end. bs=[1, 2, 4, 8, 12, 16, 24, 32], "
             f"elapsed={graph_elapsed:.2f} s, mem usage=0.85 GB, avail mem={mem - 70.85:.2f} GB.", "TP0")
@@ -358,7 +405,8 @@ def run(argv: list[str] | None = None) -> int:
             f"{state.describe_accept_length()}, decode "
             f"{f'{rate:g} tokens/s' if rate and rate > 0 else f'{steps:g} verify steps/s'}"
             f" per request" + (f"; each generation takes {args.standin_generate_seconds:g} s"
-                               if args.standin_generate_seconds > 0 else ""), "TP0")
+                               if args.standin_generate_seconds > 0 else "")
+            + f"; {state.describe_cost_model()}", "TP0")
 
         try:
             httpd = make_server(state)

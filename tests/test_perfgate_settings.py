@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from ddtree_ops.config.perfgate_settings import PerfGateSettings, Thresholds, parse_perf_gate
-from ddtree_ops.config.workload_settings import DEFAULT_PROMPTS, Workload, load_prompts
+from ddtree_ops.config.workload_settings import DEFAULT_PROMPTS, DEFAULT_WORKLOADS, Workload, load_prompts
 from ddtree_ops.errors import InputError
 
 
@@ -15,6 +15,7 @@ def test_no_section_is_disabled_and_a_section_enables_the_gate():
     assert parse_perf_gate(None) == PerfGateSettings(enabled=False)
     on = parse_perf_gate({})
     assert on.enabled and on.compare_peers and on.workload == Workload() and on.thresholds == Thresholds()
+    assert on.workloads == DEFAULT_WORKLOADS
     assert parse_perf_gate({"enabled": False}).enabled is False
 
 
@@ -60,6 +61,61 @@ def test_errors_name_the_field(doc, message):
     with pytest.raises(InputError) as e:
         parse_perf_gate(doc)
     assert str(e.value).startswith(message), str(e.value)
+
+
+def test_without_workloads_the_gate_measures_todays_case_and_a_batch_1_greedy_case_with_the_top_level_keys():
+    s = parse_perf_gate({"duration_s": 5, "max_new_tokens": 32})
+    assert [w.label for w in s.workloads] == ["c4 T0.7 32 tok", "c1 T0 32 tok"]
+    assert [(w.concurrency, w.temperature, w.duration_s) for w in s.workloads] == [(4, 0.7, 5.0), (1, 0.0, 5.0)]
+    assert s.workload == s.workloads[0]  # the first: for callers that measure one
+
+
+@pytest.mark.parametrize("doc", [{"concurrency": 2}, {"temperature": 0}, {"concurrency": 4, "temperature": 0.7}])
+def test_a_top_level_concurrency_or_temperature_without_workloads_is_the_one_workload_measured(doc):
+    """Such an inventory, written before `workloads`, described its one workload: it gates as before."""
+    s = parse_perf_gate({"duration_s": 3, **doc})
+    assert len(s.workloads) == 1
+    assert s.workload == Workload(**{"duration_s": 3.0, **doc})
+
+
+def test_each_workload_entry_takes_the_top_level_keys_as_its_defaults_and_may_be_named(tmp_path):
+    (tmp_path / "p.txt").write_text("only prompt\n")
+    s = parse_perf_gate({"concurrency": 8, "duration_s": 7, "min_requests": 2, "prompts_file": "p.txt",
+                         "workloads": [{"temperature": 0}, {"name": "long answers", "concurrency": 1,
+                                                            "max_new_tokens": 512, "duration_s": 30}]},
+                        base_dir=str(tmp_path))
+    a, b = s.workloads
+    assert (a.concurrency, a.temperature, a.max_new_tokens, a.duration_s, a.min_requests) == (8, 0.0, 64, 7.0, 2)
+    assert (b.concurrency, b.temperature, b.max_new_tokens, b.duration_s, b.min_requests) == (1, 0.7, 512, 30.0, 2)
+    assert (a.label, b.label) == ("c8 T0", "long answers")
+    assert a.prompts == b.prompts == ("only prompt",)  # the prompts file is every workload's
+
+
+@pytest.mark.parametrize("workloads, message", [
+    ([], "perf_gate.workloads: must be a non-empty list of workloads"),
+    ({"concurrency": 1}, "perf_gate.workloads: must be a non-empty list of workloads"),
+    ([{"concurrency": 1}, {"concurrency": 0}], "perf_gate.workloads[1].concurrency: must be an integer 1..64, got 0"),
+    ([{"temperature": 3}], "perf_gate.workloads[0].temperature: must be a number 0..2"),
+    ([{}, None], "perf_gate.workloads[1]: must be a mapping of concurrency, duration_s"),
+    ([{"enabled": False}], "perf_gate.workloads[0].enabled: unknown key; allowed: concurrency"),
+    ([{"name": ""}], "perf_gate.workloads[0].name: must be a short name"),
+    ([{"name": 5}], "perf_gate.workloads[0].name: must be a short name"),
+    ([{"concurrency": 1}, {"concurrency": 1, "duration_s": 60}],
+     "perf_gate.workloads[1]: the same case as workloads[0] (c1 T0.7: concurrency, max_new_tokens, temperature and "
+     "top_p alike)"),
+    ([{"name": "a"}, {"name": "a", "concurrency": 1}], "perf_gate.workloads[1].name: 'a' is the name of workloads[0]"),
+])
+def test_a_bad_workloads_list_is_refused_naming_the_entry(workloads, message):
+    with pytest.raises(InputError) as e:
+        parse_perf_gate({"workloads": workloads})
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_the_label_says_the_case_and_only_what_differs_from_the_defaults():
+    assert Workload().label == "c4 T0.7"
+    assert Workload(concurrency=1, temperature=0.0, top_p=0.5).label == "c1 T0"  # greedy ignores top_p
+    assert Workload(top_p=0.95, max_new_tokens=256).label == "c4 T0.7 256 tok p0.95"
+    assert Workload(name="batch-1 greedy", concurrency=1).label == "batch-1 greedy"
 
 
 def test_errors_name_where_the_section_is():

@@ -25,7 +25,8 @@ from ddtree_ops.testing.fake_host import DFLASH_UNIT, FakeHost, fake_hosts
 from ddtree_ops.testing.fake_router import FakeSmg
 
 ROUTER = {"url": "http://router.test:30000", "admin_key_env": "DDTREE_TEST_ROUTER_KEY"}
-GATE = {"duration_s": 1, "min_requests": 1}
+# One workload (concurrency set at the top: the operator described theirs), as before `workloads`.
+GATE = {"duration_s": 1, "min_requests": 1, "concurrency": 4}
 
 
 def m(tps: float, ttft: float = 0.05, accept: float | None = 3.0, errors: int = 0) -> Measurement:
@@ -229,7 +230,7 @@ def test_a_peer_not_yet_updated_is_measured_side_by_side_and_a_canary_slower_tha
     table[DFLASH_UNIT], table[fake.host.unit] = m(200.0), m(205.0)  # as fast as its own baseline...
     peers: list[str] = []
 
-    def peer(name: str) -> Measurement:
+    def peer(name: str, workload) -> Measurement:
         peers.append(name)
         return m(300.0)  # ...but the fleet's present is faster
     with pytest.raises(DeployFailed) as ei:
@@ -255,3 +256,146 @@ def test_no_perf_gate_on_the_command_line_skips_an_inventory_gate(tmp_path, patc
     speeds(fake)
     r = deploy_host(fake.session(), patchset, DeployOptions(reconnect_s=5, perf_gate=False))
     assert r.outcome == Outcome.DEPLOYED and r.perf_gate is None and speeds.calls == []
+
+
+# -- several workloads -------------------------------------------------------------------------------
+
+@pytest.fixture
+def by_case(monkeypatch):
+    """Which measurement the gate gets, by the unit serving on the measured host and the workload's
+    label; `calls` lists (unit, label) in order."""
+    table: dict[tuple[str, str], Measurement] = {}
+    calls: list[tuple[str, str]] = []
+
+    def install(fake):
+        def fake_measure(client, workload, **kw):
+            key = (fake.serving_unit(), workload.label)
+            calls.append(key)
+            return table[key]
+        monkeypatch.setattr(traffic, "measure", fake_measure)
+        return table
+    install.calls = calls
+    return install
+
+
+def two_cases(tmp_path):
+    """A host whose perf_gate names no workload: the default two, today's case and batch-1 greedy."""
+    return fake_hosts(tmp_path / "h", perf_gate={"duration_s": 1, "min_requests": 1})[0]
+
+
+def test_by_default_both_workloads_are_measured_before_and_after_and_the_worst_verdict_wins_naming_it(
+        tmp_path, patchset, by_case):
+    fake = two_cases(tmp_path)
+    table = by_case(fake)
+    new = fake.host.unit
+    table[DFLASH_UNIT, "c4 T0.7"], table[new, "c4 T0.7"] = m(200.0), m(204.0)  # batch 4: as fast
+    table[DFLASH_UNIT, "c1 T0"], table[new, "c1 T0"] = m(80.0), m(50.0)  # batch 1 greedy: the tree loses
+    with pytest.raises(DeployFailed) as ei:
+        deploy_host(fake.session(), patchset, DeployOptions(reconnect_s=5))
+    r = ei.value.result
+    assert by_case.calls == [(DFLASH_UNIT, "c4 T0.7"), (DFLASH_UNIT, "c1 T0"), (new, "c4 T0.7"), (new, "c1 T0")]
+    assert r.outcome == Outcome.ROLLED_BACK and r.failed_step == "perf gate"
+    assert "fail on c1 T0 (c4 T0.7 pass, c1 T0 fail): output tok/s 80.0 → 50.0" in r.message, r.message
+    g = r.perf_gate
+    # The top level is the deciding workload's, in the shape consumers read; each workload's is kept.
+    assert g["verdict"] == "fail" and g["workload"]["label"] == "c1 T0" and g["canary"]["output_tps"] == 50.0
+    assert g["reasons"][0].startswith("c1 T0: output tok/s 80.0 → 50.0")
+    assert [(w["workload"]["label"], w["verdict"]) for w in g["workloads"]] == [("c4 T0.7", "pass"), ("c1 T0", "fail")]
+    assert (g["workloads"][1]["workload"]["concurrency"], g["workloads"][1]["workload"]["temperature"]) == (1, 0.0)
+    assert record(fake, r.release)["perf_gate"]["workloads"][0]["canary"]["output_tps"] == 204.0
+
+
+def test_when_every_workload_passes_the_record_is_the_first_workloads_and_the_baselines_read_back(
+        tmp_path, patchset, by_case):
+    fake = two_cases(tmp_path)
+    table = by_case(fake)
+    new = fake.host.unit
+    table[DFLASH_UNIT, "c4 T0.7"], table[new, "c4 T0.7"] = m(200.0), m(204.0)
+    table[DFLASH_UNIT, "c1 T0"], table[new, "c1 T0"] = m(80.0), m(81.0)
+    r = deploy_host(fake.session(), patchset, DeployOptions(reconnect_s=5))
+    assert r.outcome == Outcome.DEPLOYED
+    g = record(fake, r.release)["perf_gate"]
+    assert g["verdict"] == "pass" and g["workload"]["label"] == "c4 T0.7" and g["baseline"]["output_tps"] == 200.0
+    # Each workload's baseline, as the record keeps it, is the measurement taken before the change.
+    assert [Measurement.from_dict(w["baseline"]) for w in g["workloads"]] == [table[DFLASH_UNIT, "c4 T0.7"],
+                                                                              table[DFLASH_UNIT, "c1 T0"]]
+    gate_steps = [s["detail"] for s in r.steps if s["step"] == "perf gate"]
+    assert gate_steps[-1].startswith("pass on every workload (c4 T0.7 pass, c1 T0 pass): c4 T0.7 output tok/s "
+                                     "200.0 → 204.0 (+2.0 %); c1 T0 output tok/s 80.0 → 81.0"), gate_steps
+
+
+def test_a_marginal_workload_beside_a_passing_one_makes_the_gate_marginal(tmp_path, patchset, by_case):
+    fake = two_cases(tmp_path)
+    table = by_case(fake)
+    new = fake.host.unit
+    table[DFLASH_UNIT, "c4 T0.7"], table[new, "c4 T0.7"] = m(200.0), m(190.0)  # −5 %: marginal
+    table[DFLASH_UNIT, "c1 T0"], table[new, "c1 T0"] = m(80.0), m(81.0)
+    with pytest.raises(DeployFailed, match="marginal on c4 T0.7") as ei:
+        deploy_host(fake.session(), patchset, DeployOptions(reconnect_s=5, marginal="fail"))
+    assert ei.value.result.perf_gate["verdict"] == "marginal"
+
+
+def test_each_workloads_peer_is_measured_with_that_workload_beside_its_canary(tmp_path, patchset, by_case):
+    fake = two_cases(tmp_path)
+    table = by_case(fake)
+    new = fake.host.unit
+    for label, tps in (("c4 T0.7", 200.0), ("c1 T0", 80.0)):
+        table[DFLASH_UNIT, label], table[new, label] = m(tps), m(tps)
+    asked: list[str] = []
+
+    def peer(name: str, workload) -> Measurement:
+        asked.append(workload.label)
+        return m(300.0) if workload.label == "c1 T0" else m(200.0)  # the fleet is faster at batch 1 only
+    with pytest.raises(DeployFailed) as ei:
+        deploy_host(fake.session(), patchset, DeployOptions(reconnect_s=5, peer_measure=peer))
+    assert asked == ["c4 T0.7", "c1 T0"]
+    g = ei.value.result.perf_gate
+    assert g["workload"]["label"] == "c1 T0" and g["peers"]["output_tps"] == 300.0
+    assert "c1 T0: output tok/s peers 300.0 → canary 80.0" in g["reasons"][0]
+
+
+def _judged(label: str, verdict: str | None, **w) -> traffic.Judged:
+    from ddtree_ops.config.workload_settings import Workload
+    from ddtree_ops.gates.perfgate import compare
+
+    workload = Workload(name=label, **w)
+    if verdict is None:
+        return traffic.Judged(workload, None, {"verdict": "pass", "baseline": None, "canary": m(10.0).as_dict(),
+                                               "peers": None, "rows": [], "reasons": ["nothing to compare with"]})
+    canary = {"pass": 200.0, "marginal": 190.0, "fail": 100.0}[verdict]
+    v = compare(m(200.0), m(canary))
+    assert v.verdict.value == verdict
+    return traffic.Judged(workload, v, v.as_dict())
+
+
+@pytest.mark.parametrize("verdicts, deciding, overall", [
+    (["pass", "pass"], "a", "pass"),  # a tie: the first
+    (["marginal", "fail", "marginal"], "b", "fail"),
+    (["marginal", "pass", "marginal"], "a", "marginal"),
+    ([None, "marginal"], "b", "marginal"),  # nothing to compare with counts as a pass
+    ([None, None], "a", "pass"),
+])
+def test_the_worst_verdict_wins_the_first_of_the_worst_on_a_tie(verdicts, deciding, overall):
+    names = "abc"[:len(verdicts)]
+    judged = [_judged(name, v, concurrency=i + 1) for i, (name, v) in enumerate(zip(names, verdicts, strict=True))]
+    verdict, rec, summary = traffic.worst_of(judged)
+    assert verdict.value == overall and rec["verdict"] == overall and rec["workload"]["label"] == deciding
+    assert summary.startswith(f"{overall} on {deciding}" if overall != "pass" else "pass on every workload")
+    assert [w["workload"]["label"] for w in rec["workloads"]] == list("abc"[:len(verdicts)])
+    assert all(r.split(": ", 1)[0] in "abc" for r in rec["reasons"])  # each reason names its workload
+    if overall != "pass":
+        assert rec["reasons"][0].startswith(f"{deciding}: ")
+
+
+def test_one_workload_keeps_the_record_and_summary_it_always_had():
+    j = _judged("only", "fail")
+    verdict, rec, summary = traffic.worst_of([j])
+    assert summary == j.verdict.summary() and rec["reasons"] == list(j.verdict.reasons)
+    assert rec["workload"]["label"] == "only" and len(rec["workloads"]) == 1
+
+
+def test_a_lone_baseline_is_the_first_workloads_and_a_wrong_count_is_a_bug():
+    b = m(1.0)
+    assert traffic._baselines(b, 2) == (b, None) and traffic._baselines(None, 2) == (None, None)
+    with pytest.raises(ValueError, match="1 baseline measurements for 2 workloads"):
+        traffic._baselines([b], 2)

@@ -32,23 +32,26 @@ def exit_code(verdict: str, marginal: Marginal) -> int:
 
 def _perf_gate(inventory: str | None, host: str | None):
     """(the perf_gate settings, where they came from): the inventory's (the host's, or the one
-    every host shares), else the built-in ones."""
+    every host shares: all its workloads, as the deploy measures them), else the built-in ones:
+    one workload, today's case (a service started without an inventory keeps the bound its
+    orchestrator's timeout was sized for; examples/argo)."""
     from ..config.inventory import load_inventory
     from ..config.perfgate_settings import PerfGateSettings
+    from ..config.workload_settings import Workload
 
     if inventory is None:
         if host is not None:
             raise InputError("--host picks a host's perf_gate settings from an inventory: give -i INVENTORY too")
-        return PerfGateSettings(), "the built-in defaults"
+        return PerfGateSettings(workloads=(Workload(),)), "the built-in defaults"
     inv = load_inventory(inventory)
     if host is not None:
         return inv.host(host).perf_gate, f"{inventory} (host {host})"
-    distinct = {(h.perf_gate.workload, h.perf_gate.thresholds) for h in inv.hosts.values()}
+    distinct = {(h.perf_gate.workloads, h.perf_gate.thresholds) for h in inv.hosts.values()}
     if len(distinct) > 1:
         raise InputError(f"{inventory}: the hosts' perf_gate settings differ; name the host whose settings to "
                          f"use with --host")
     first = next(iter(inv.hosts.values()), None)
-    return (first.perf_gate if first else PerfGateSettings()), inventory
+    return (first.perf_gate if first else PerfGateSettings(workloads=(Workload(),))), inventory
 
 
 def _api_key(var: str | None) -> str | None:
@@ -97,20 +100,28 @@ def gate(
     allow_host: list[str] = ALLOW_HOST_OPT,
 ):
     """Compare a baseline server and a canary with the deploy's performance gate: both measured side by side with
-    the same workload, the verdict (pass, marginal, fail) and its table. Exit 0 pass (and marginal, unless
+    the same workload, each of perf_gate's workloads in turn (the workload flags apply to each), the verdict (pass,
+    marginal, fail; the worst workload's) and its table. Exit 0 pass (and marginal, unless
     --marginal fail); 1 fail; 2 no verdict: a bad flag or URL, a server that does not answer GET /health with 200
     within the probe's bound, or a baseline without a successful request. The run ends within the bound it
     states (probe + duration + request timeout + a few seconds)."""
+    from ..config.workload_settings import Workload
     from ..gates.url_gate import GateSettings
     from .flag_ranges import check_workload_flags
 
     def body():
         pg, source = _perf_gate(inventory, host)
-        workload = check_workload_flags(pg.workload, {
-            "duration_s": ("--duration", duration), "concurrency": ("--concurrency", concurrency),
-            "min_requests": ("--min-requests", min_requests), "max_new_tokens": ("--max-new-tokens", max_new_tokens),
-            "request_timeout_s": ("--request-timeout", request_timeout)})
-        settings = GateSettings(workload, pg.thresholds, _api_key(api_key_env), source)
+        flags = {"duration_s": ("--duration", duration), "concurrency": ("--concurrency", concurrency),
+                 "min_requests": ("--min-requests", min_requests),
+                 "max_new_tokens": ("--max-new-tokens", max_new_tokens),
+                 "request_timeout_s": ("--request-timeout", request_timeout)}
+        # The flags apply to every workload; two that they make the same case are measured once.
+        workloads: dict[tuple, Workload] = {}
+        for w in pg.workloads:
+            w = check_workload_flags(w, flags)
+            workloads.setdefault(w.case, w)
+        cases = tuple(workloads.values())
+        settings = GateSettings(cases[0], pg.thresholds, _api_key(api_key_env), source, workloads=cases)
         if serve is not None:
             if as_json or marginal is not None:
                 raise InputError("--json and --marginal are for one run; the service answers JSON, a marginal "

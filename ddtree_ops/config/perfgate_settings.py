@@ -1,9 +1,22 @@
 """The perf gate's settings as the inventory writes them (`perf_gate:`): whether the canary is
-measured, with which workload, and the thresholds of its verdict.
+measured, with which workloads, and the thresholds of its verdict.
 
   Thresholds                   when a metric is marginal or failing (the rules: gates/perfgate.py)
-  PerfGateSettings             enabled, workload, thresholds, compare_peers
+  PerfGateSettings             enabled, workloads, thresholds, compare_peers
   parse_perf_gate(doc, where)  the inventory's `perf_gate` mapping, validated
+
+Workloads. `perf_gate.workloads` is a list of cases, each a mapping of the workload keys
+(concurrency, max_new_tokens, temperature, top_p, duration_s, min_requests, request_timeout_s)
+and an optional `name`; the same keys at the top of `perf_gate` are every entry's defaults (and
+`prompts_file` is shared). Without `workloads`:
+
+  - the top level sets `concurrency` or `temperature`: it describes its one workload, and that
+    one is measured (an inventory written before `workloads` existed gates as it did);
+  - otherwise: DEFAULT_WORKLOADS, today's concurrency-4 T 0.7 case and a batch-1 greedy case
+    (concurrency 1, temperature 0), both with the top level's other keys.
+
+An empty list and the same case twice (concurrency, max_new_tokens, temperature and top_p alike)
+are refused, as are two entries of one name.
 
 Settings only: measuring is gates/workload.py, the verdict gates/perfgate.py.
 """
@@ -11,6 +24,7 @@ Settings only: measuring is gates/workload.py, the verdict gates/perfgate.py.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
@@ -25,6 +39,7 @@ from .workload_settings import (
     DEFAULT_REQUEST_TIMEOUT_S,
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_P,
+    DEFAULT_WORKLOADS,
     Workload,
     load_prompts,
 )
@@ -92,9 +107,19 @@ class PerfGateSettings:
     `enabled: false` (writing the section is asking for the gate)."""
 
     enabled: bool = False
-    workload: Workload = field(default_factory=Workload)
+    workloads: tuple[Workload, ...] = DEFAULT_WORKLOADS  # each measured and judged; the worst verdict wins
     thresholds: Thresholds = field(default_factory=Thresholds)
     compare_peers: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "workloads", tuple(self.workloads))
+        if not self.workloads:
+            raise ValueError("the perf gate needs at least one workload")
+
+    @property
+    def workload(self) -> Workload:
+        """The first workload (today's case by default): for callers that measure one."""
+        return self.workloads[0]
 
 
 _ratio = number_range(0, 1)  # a share: a drop, an error rate
@@ -116,6 +141,16 @@ def _top_p(value: Any, done: Mapping[str, Any]) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
         raise Invalid(f"must be a number > 0 and ≤ 1, got {shown(value)}")
     return float(value)
+
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9 _.:=+-]{0,39}$")
+
+
+def _workload_name(value: Any, done: Mapping[str, Any]) -> str:
+    if not isinstance(value, str) or not _NAME_RE.match(value) or value != value.strip():
+        raise Invalid(f"must be a short name (1..40 letters, digits, spaces and _.:=+-, starting with a letter "
+                      f"or digit), got {shown(value)}")
+    return value
 
 
 def _prompts_file(value: Any, done: Mapping[str, Any]) -> str:
@@ -158,7 +193,14 @@ PERF_GATE_FIELDS: tuple[Field, ...] = (
     Field("request_timeout_s", number_range(1, 3600), DEFAULT_REQUEST_TIMEOUT_S),
     Field("compare_peers", boolean(), True),
     Field("thresholds", None),  # a nested table: validated by parse_perf_gate, naming its fields
+    Field("workloads", None),  # a list of tables: validated by parse_perf_gate, naming the entry
 )
+
+# The keys of one workload: at the top of `perf_gate` (every entry's defaults) and in each entry.
+WORKLOAD_KEYS: tuple[str, ...] = ("concurrency", "max_new_tokens", "temperature", "top_p", "duration_s",
+                                  "min_requests", "request_timeout_s")
+# Set at the top without `workloads`, either one says the operator described their one workload.
+_ONE_WORKLOAD_KEYS = ("concurrency", "temperature")
 
 
 def _mapping(doc: Any, where: str, fields_: Sequence[Field]) -> dict[str, Any]:
@@ -169,11 +211,50 @@ def _mapping(doc: Any, where: str, fields_: Sequence[Field]) -> dict[str, Any]:
         raise InputError(f"{where}{'.' + e.field if e.field else ''}: {e.problem}") from None
 
 
+def _entry_fields(top: Mapping[str, Any]) -> tuple[Field, ...]:
+    """The table of one `workloads` entry: the workload keys, defaulting to the top level's."""
+    by_name = {f.name: f for f in PERF_GATE_FIELDS}
+    return (Field("name", _workload_name, None),
+            *(Field(k, by_name[k].check, top[k]) for k in WORKLOAD_KEYS))
+
+
+def _workloads(doc: Mapping[str, Any], values: Mapping[str, Any], where: str) -> tuple[Workload, ...]:
+    """The cases `doc` asks for (the module's docstring says which), each checked, none twice."""
+    top = {k: values[k] for k in WORKLOAD_KEYS}
+    entries = doc.get("workloads")
+    if entries is None:
+        if any(k in doc for k in _ONE_WORKLOAD_KEYS):
+            return (Workload(**top),)
+        return tuple(replace(w, **{k: v for k, v in top.items() if k not in _ONE_WORKLOAD_KEYS})
+                     for w in DEFAULT_WORKLOADS)
+    if not isinstance(entries, list) or not entries:
+        raise InputError(f"{where}.workloads: must be a non-empty list of workloads (mappings of "
+                         f"{', '.join(('name',) + WORKLOAD_KEYS)}), got {shown(entries)}")
+    table = _entry_fields(top)
+    found: list[Workload] = []
+    for i, entry in enumerate(entries):
+        at = f"{where}.workloads[{i}]"
+        if not isinstance(entry, dict):
+            raise InputError(f"{at}: must be a mapping of {', '.join(sorted(f.name for f in table))}, "
+                             f"got {shown(entry)}")
+        w = Workload(**_mapping(entry, at, table))
+        for j, other in enumerate(found):
+            if other.case == w.case:
+                raise InputError(f"{at}: the same case as workloads[{j}] ({other.label}: concurrency, "
+                                 f"max_new_tokens, temperature and top_p alike); measure each case once")
+            if w.name is not None and other.name == w.name:
+                raise InputError(f"{at}.name: {shown(w.name)} is the name of workloads[{j}] too")
+        found.append(w)
+    return tuple(found)
+
+
 def parse_perf_gate(doc: Any, where: str = "perf_gate", *, base_dir: str | None = None) -> PerfGateSettings:
     """The inventory's `perf_gate` mapping as settings; null or absent: the gate disabled.
 
     Keys: enabled, prompts_file, concurrency, max_new_tokens, temperature, top_p, duration_s,
-    min_requests, request_timeout_s, compare_peers, thresholds (the fields of `Thresholds`).
+    min_requests, request_timeout_s, compare_peers, thresholds (the fields of `Thresholds`),
+    workloads (a list of the workload keys and `name`; the module's docstring says what its
+    absence means).
     A relative `prompts_file` is read from `base_dir` (the inventory's folder), on the
     controller, now: a bad file is refused before any host changes. Raises InputError as
     "<where>.<field>: <problem>", e.g. "perf_gate.thresholds.fail_drop: must be a number 0..1, got 2"."""
@@ -181,8 +262,7 @@ def parse_perf_gate(doc: Any, where: str = "perf_gate", *, base_dir: str | None 
         return PerfGateSettings()
     values = _mapping(doc, where, PERF_GATE_FIELDS)
     thresholds = Thresholds(**_mapping(doc.get("thresholds"), f"{where}.thresholds", THRESHOLD_FIELDS))
-    workload = Workload(**{k: values[k] for k in ("concurrency", "max_new_tokens", "temperature", "top_p",
-                                                   "duration_s", "min_requests", "request_timeout_s")})
+    workloads = _workloads(doc, values, where)
     path = values["prompts_file"]
     if path is not None:
         full = os.path.join(base_dir, os.path.expanduser(path)) if base_dir else os.path.expanduser(path)
@@ -190,6 +270,6 @@ def parse_perf_gate(doc: Any, where: str = "perf_gate", *, base_dir: str | None 
             prompts = load_prompts(full)
         except InputError as e:
             raise InputError(f"{where}.prompts_file: {e}") from None
-        workload = replace(workload, prompts=prompts, prompts_file=full)
-    return PerfGateSettings(enabled=values["enabled"], workload=workload, thresholds=thresholds,
+        workloads = tuple(replace(w, prompts=prompts, prompts_file=full) for w in workloads)
+    return PerfGateSettings(enabled=values["enabled"], workloads=workloads, thresholds=thresholds,
                             compare_peers=values["compare_peers"])

@@ -1,6 +1,10 @@
 """The perf gate's workload as the inventory describes it: what is sent (prompts, concurrency,
 sampling, duration) and the prompts file it may name.
 
+  Workload            one case: what is sent, for how long; `label` names it in messages
+  DEFAULT_WORKLOADS   the cases a `perf_gate:` without `workloads` (nor concurrency/temperature) gets
+  load_prompts(path)  a prompts file, validated
+
 Settings only: sending the workload and measuring it is gates/workload.py.
 """
 
@@ -62,6 +66,7 @@ class Workload:
     min_requests: int = DEFAULT_MIN_REQUESTS
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
     prompts_file: str | None = None  # where the prompts came from (None: the built-in list)
+    name: str | None = None  # the inventory's name for the case (None: `label` is made from it)
 
     def __post_init__(self) -> None:
         # A list from a caller becomes a tuple: the dataclass is frozen and hashable.
@@ -71,6 +76,26 @@ class Workload:
         if self.concurrency < 1 or self.min_requests < 0:
             raise ValueError("concurrency must be ≥ 1 and min_requests ≥ 0")
 
+    @property
+    def case(self) -> tuple[int, int, float, float]:
+        """What makes two workloads different cases: what each request asks and how many at once
+        (the same case measured twice, with another duration, says nothing new)."""
+        return (self.concurrency, self.max_new_tokens, self.temperature, self.top_p)
+
+    @property
+    def label(self) -> str:
+        """A short name for messages: the inventory's `name`, else "c4 T0.7" (concurrency and
+        temperature), with the token count and top_p when they are not the defaults ("c1 T0
+        256 tok", "c4 T0.7 p0.95"; top_p only when sampling, greedy ignores it)."""
+        if self.name:
+            return self.name
+        parts = [f"c{self.concurrency}", f"T{self.temperature:g}"]
+        if self.max_new_tokens != DEFAULT_MAX_NEW_TOKENS:
+            parts.append(f"{self.max_new_tokens} tok")
+        if self.top_p != DEFAULT_TOP_P and self.temperature > 0:
+            parts.append(f"p{self.top_p:g}")
+        return " ".join(parts)
+
     def request_body(self, index: int) -> dict[str, Any]:
         """The JSON body of request `index`: SGLang's native /generate, streaming."""
         return {
@@ -79,6 +104,13 @@ class Workload:
                                 "max_new_tokens": self.max_new_tokens},
             "stream": True,
         }
+
+
+# Without `workloads`: today's case (batch 4, sampled: what the DDTree modules are tuned for)
+# first, so the gate's record and its figures read as before when both pass, and beside it the
+# batch-1 greedy case, where a tree is the most likely to lose to the flat chain (an independent
+# vLLM implementation measured a tree 31.6 % slower at batch 1 with CUDA graphs).
+DEFAULT_WORKLOADS: tuple[Workload, ...] = (Workload(), Workload(concurrency=1, temperature=0.0))
 
 
 def load_prompts(path: str) -> tuple[str, ...]:

@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 from ..artifacts.patchset import PatchSet
 from ..config.inventory import Host
+from ..config.workload_settings import Workload
 from ..errors import DdtreeOpsError
 from ..gates.workload import Measurement, measure
 from ..host.hooks import NO_HOOKS, Hooks
@@ -81,9 +82,11 @@ def rollback_action(to: str | UndoRollout | None, opts: DeployOptions, connect: 
                                                                     routers=routers), connect)
 
 
-def peer_measurer(targets: list[Target], batches: list[list[int]]) -> Callable[[str], Measurement | None]:
-    """For the performance gate: measure, with a host's own workload, the serving node of the first
-    target of a later batch (not yet updated while this host's batch runs); None in the last batch."""
+def peer_measurer(targets: list[Target], batches: list[list[int]]
+                  ) -> Callable[[str, Workload | None], Measurement | None]:
+    """For the performance gate: measure, with one of a host's own workloads (the one its canary is
+    measured with at the same time; None: its first), the serving node of the first target of a
+    later batch (not yet updated while this host's batch runs); None in the last batch."""
     peer_of: dict[str, Host | None] = {}
     for bi, b in enumerate(batches):
         later = [targets[i] for bb in batches[bi + 1:] for i in bb]
@@ -93,12 +96,12 @@ def peer_measurer(targets: list[Target], batches: list[list[int]]) -> Callable[[
                 peer_of[h.name] = peer
     by_name = {h.name: h for t in targets for h in t.hosts}
 
-    def measure_peer(name: str) -> Measurement | None:
+    def measure_peer(name: str, workload: Workload | None = None) -> Measurement | None:
         peer = peer_of.get(name)
         if peer is None:
             return None
         with http_client(peer) as client:
-            return measure(client, by_name[name].perf_gate.workload)
+            return measure(client, workload or by_name[name].perf_gate.workload)
     return measure_peer
 
 

@@ -22,7 +22,9 @@ the Rollout aborts. A busy service is therefore retried, a server that never ans
 
 Not an open proxy: a request may name only the URLs given at start-up and the hosts of
 `--allow-host` (AllowList); redirects are not followed (host/http.py url_client). The workload and
-thresholds are the service's, fixed at start-up: a caller cannot ask for a longer run.
+thresholds are the service's, fixed at start-up: a caller cannot ask for a longer run. With several
+workloads (`perf_gate.workloads`) each one is measured in turn and the worst decides (url_gate.py);
+`bound_s` is then the whole run's, every workload's together.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from typing import Any, Callable
 from ..config.terminal import terminal_safe
 from ..errors import InputError, NoVerdict, shown
 from .perfgate import Verdict
-from .url_gate import SERVERS_PER_SIDE_MAX, GateOutcome, GateRequest, GateSettings, bound_s, parse_url, run_gate
+from .url_gate import SERVERS_PER_SIDE_MAX, GateOutcome, GateRequest, GateSettings, parse_url, run_bound_s, run_gate
 
 BODY_MAX_BYTES = 64 * 1024
 REQUEST_READ_TIMEOUT_S = 10.0  # a caller that connects and sends nothing holds a thread no longer
@@ -172,7 +174,7 @@ class GateService:
 
     @property
     def bound_s(self) -> float:
-        return bound_s(self.settings.workload)
+        return run_bound_s(self.settings)
 
     def handle(self, method: str, target: str, body: bytes | None = None) -> Reply:
         """The answer to one request (`target`: the path and query as sent)."""

@@ -17,8 +17,13 @@ Bounded: a probe of `GET /health` first, every server at once, each within `prob
 (an unreachable or silent server ends the run there, with no verdict: `NoVerdict`); then the
 measurement, stopped at `duration_s + request_timeout_s` (and a margin) at the latest: a request
 started in the window has finished or timed out by then; a server too slow to reach
-`min_requests` in time is judged on what finished. `bound_s(workload)` is the whole run's bound,
-what the operator and the service's callers are told.
+`min_requests` in time is judged on what finished. `bound_s(workload)` is one workload's bound,
+`run_bound_s(settings)` the whole run's, what the operator and the service's callers are told.
+
+Several workloads (`perf_gate.workloads`, as the deploy's gate measures them): the servers are
+probed once, then each workload is measured on every server side by side and judged, one after
+the other; the worst workload's verdict is the gate's (the first of the worst on a tie), and the
+outcome is that workload's, with every workload's in `cases`.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import re
 import threading
 import time
 import urllib.parse
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import httpx
@@ -139,6 +144,13 @@ class GateSettings:
     thresholds: Thresholds = field(default_factory=Thresholds)
     api_key: str | None = field(default=None, repr=False)
     source: str = "the built-in defaults"
+    # Every workload measured, in order; given, its first is `workload`; empty: `workload` alone.
+    workloads: tuple[Workload, ...] = ()
+
+    def __post_init__(self) -> None:
+        cases = tuple(self.workloads) or (self.workload,)
+        object.__setattr__(self, "workloads", cases)
+        object.__setattr__(self, "workload", cases[0])
 
 
 def probe_timeout_s(workload: Workload) -> float:
@@ -149,6 +161,14 @@ def bound_s(workload: Workload) -> float:
     """The most one run of the gate takes, from its start to its verdict: the probe, the
     measurement window, a last request's timeout, the workers' grace after a stop, and slack."""
     return probe_timeout_s(workload) + cut_after_s(workload) + STOP_GRACE_S + BOUND_SLACK_S
+
+
+def run_bound_s(settings: GateSettings) -> float:
+    """The most one run of the gate takes over every workload: one probe, each workload's
+    measurement window, last request's timeout and grace, and slack once (one workload:
+    `bound_s` of it)."""
+    return (probe_timeout_s(settings.workload) + BOUND_SLACK_S
+            + sum(cut_after_s(w) + STOP_GRACE_S for w in settings.workloads))
 
 
 def cut_after_s(workload: Workload) -> float:
@@ -184,7 +204,9 @@ class Judged:
 @dataclass(frozen=True)
 class GateOutcome:
     """The gate's verdict: the worst canary's. `baseline` is the reference every canary was judged
-    against (several baselines: `combine`d)."""
+    against (several baselines: `combine`d). Over several workloads: the worst workload's outcome
+    (its baseline, canaries and servers), `verdict` the gate's, `cases` every workload's outcome,
+    `settings` the run's (all its workloads)."""
 
     verdict: Verdict
     baseline: Measurement
@@ -193,26 +215,55 @@ class GateOutcome:
     settings: GateSettings
     elapsed_s: float
     notes: tuple[str, ...] = ()
+    cases: tuple[GateOutcome, ...] = ()  # one per workload, when there are several
 
     @property
     def worst(self) -> Judged:
         return max(self.canaries, key=lambda j: j.verdict.verdict.rank)  # the first of the worst on a tie
 
+    @property
+    def decider(self) -> GateOutcome:
+        """The workload's outcome that decided (itself with one workload)."""
+        return max(self.cases, key=lambda c: c.verdict.rank) if self.cases else self
+
+    def _verdicts(self) -> str:
+        return ", ".join(f"{c.settings.workload.label} {c.verdict.value}" for c in self.cases)
+
     def reasons(self) -> list[str]:
-        """Every canary's reasons, each named by its URL when there are several."""
+        """Every canary's reasons, each named by its URL when there are several (and by its
+        workload when there are several, the deciding workload's first)."""
+        if self.cases:
+            d = self.decider
+            return [f"{c.settings.workload.label}: {r}" for c in (d, *(c for c in self.cases if c is not d))
+                    for r in c.reasons()]
         if len(self.canaries) == 1:
             return list(self.canaries[0].verdict.reasons)
         return [f"{j.url}: {r}" for j in self.canaries for r in j.verdict.reasons]
 
     def summary(self) -> str:
-        """One line: the worst canary's summary ("fail: output tok/s 212.0 → 150.3 (−29.1 %, ...)")."""
+        """One line: the worst canary's summary ("fail: output tok/s 212.0 → 150.3 (−29.1 %, ...)");
+        over several workloads, which one decided ("fail on c1 T0 (c4 T0.7 pass, c1 T0 fail): ...")."""
+        if self.cases:
+            d = self.decider
+            if self.verdict is Verdict.PASS:
+                return f"pass on every workload ({self._verdicts()})"
+            reasons = self.reasons()
+            more = f" (+{len(reasons) - 1} more)" if len(reasons) > 1 else ""
+            first = reasons[0].split(": ", 1)[1] if reasons else d.summary()
+            return f"{self.verdict.value} on {d.settings.workload.label} ({self._verdicts()}): {first}{more}"
         w = self.worst
         if len(self.canaries) == 1:
             return w.verdict.summary()
         return f"{self.verdict.value}: worst of {len(self.canaries)} canaries {w.url}: {w.verdict.summary()}"
 
     def report(self) -> str:
-        """What the operator reads: the verdict, the servers, a table per canary, the notes."""
+        """What the operator reads: the verdict, the servers, a table per canary, the notes (and
+        that per workload, when there are several)."""
+        if self.cases:
+            lines = [self.summary(), f"{len(self.cases)} workloads, one after the other, {self.elapsed_s:.1f} s"]
+            for c in self.cases:
+                lines += ["", f"== workload {c.settings.workload.label}: {c.verdict.value}", c.report()]
+            return "\n".join(lines)
         w = self.settings.workload
         base = ", ".join(m.url for m in self.servers if m.role == BASELINE)
         several = " (mean per server)" if sum(m.role == BASELINE for m in self.servers) > 1 else ""
@@ -225,13 +276,20 @@ class GateOutcome:
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, Any]:
+        """The verdict as JSON; over several workloads, the deciding workload's document with the
+        gate's verdict, summary, reasons, notes, bound and time, and `workloads`: each one's."""
+        if self.cases:
+            return {**self.decider.as_dict(), "verdict": self.verdict.value, "summary": self.summary(),
+                    "reasons": self.reasons(), "notes": list(self.notes), "bound_s": run_bound_s(self.settings),
+                    "elapsed_s": round(self.elapsed_s, 3), "workloads": [c.as_dict() for c in self.cases]}
         w = self.settings.workload
         return {"verdict": self.verdict.value, "summary": self.summary(), "reasons": self.reasons(),
                 "baseline": self.baseline.as_dict(), "canary": self.worst.verdict.canary.as_dict(),
                 "rows": [r.as_dict() for r in self.worst.verdict.rows],
                 "canaries": [j.as_dict() for j in self.canaries], "servers": [m.as_dict() for m in self.servers],
                 "thresholds": self.settings.thresholds.as_dict(), "settings_from": self.settings.source,
-                "workload": {"prompts": len(w.prompts), "prompts_file": w.prompts_file, "concurrency": w.concurrency,
+                "workload": {"label": w.label, "name": w.name, "prompts": len(w.prompts),
+                             "prompts_file": w.prompts_file, "concurrency": w.concurrency,
                              "max_new_tokens": w.max_new_tokens, "temperature": w.temperature, "top_p": w.top_p,
                              "duration_s": w.duration_s, "min_requests": w.min_requests,
                              "request_timeout_s": w.request_timeout_s},
@@ -267,19 +325,38 @@ def combine(measurements: Sequence[Measurement]) -> Measurement:
 def run_gate(request: GateRequest, settings: GateSettings, *, transport: httpx.BaseTransport | None = None,
              should_stop: Callable[[], bool] | None = None,
              progress: Callable[[str], None] | None = None) -> GateOutcome:
-    """Probe every server, measure them all side by side, judge each canary against the
-    baselines. NoVerdict when a server does not answer its probe, when a baseline had no
-    successful request (nothing to compare with: a broken baseline would pass any canary), or
-    when `should_stop` (the service stopping) cut the run. Ctrl-C (KeyboardInterrupt in the
-    calling thread) stops every measurement and is raised. `transport`: a test's MockTransport;
-    None for the network."""
+    """Probe every server, then for each workload measure them all side by side and judge each
+    canary against the baselines; the worst workload decides. NoVerdict when a server does not
+    answer its probe, when a baseline had no successful request (nothing to compare with: a
+    broken baseline would pass any canary), or when `should_stop` (the service stopping) cut the
+    run. Ctrl-C (KeyboardInterrupt in the calling thread) stops every measurement and is raised.
+    `transport`: a test's MockTransport; None for the network."""
     t0 = time.monotonic()
-    w = settings.workload
     servers = request.servers()
     _probe_all(servers, settings, transport)
-    if progress is not None:
-        progress(f"measuring {len(request.baselines)} baseline and {len(request.canaries)} canary server(s) side by "
-                 f"side: {w.duration_s:g} s of {w.concurrency} streams each (at most {bound_s(w):g} s in all)")
+    cases = []
+    for w in settings.workloads:
+        one = replace(settings, workload=w, workloads=(w,))
+        if progress is not None:
+            of = f" (workload {w.label}, {len(cases) + 1} of {len(settings.workloads)})" \
+                if len(settings.workloads) > 1 else ""
+            progress(f"measuring {len(request.baselines)} baseline and {len(request.canaries)} canary server(s) side "
+                     f"by side: {w.duration_s:g} s of {w.concurrency} streams each{of} (at most "
+                     f"{run_bound_s(settings):g} s in all)")
+        cases.append(_measure_case(servers, one, transport, should_stop, several=len(settings.workloads) > 1))
+    if len(cases) == 1:
+        return replace(cases[0], elapsed_s=time.monotonic() - t0)
+    decider = max(cases, key=lambda c: c.verdict.rank)
+    notes = tuple(f"{c.settings.workload.label}: {n}" for c in cases for n in c.notes)
+    return replace(decider, settings=settings, elapsed_s=time.monotonic() - t0, notes=notes, cases=tuple(cases))
+
+
+def _measure_case(servers: Sequence[tuple[str, str]], settings: GateSettings,
+                  transport: httpx.BaseTransport | None, should_stop: Callable[[], bool] | None, *,
+                  several: bool) -> GateOutcome:
+    """One workload (`settings.workload`) on every server at once, each canary judged; `several`:
+    the run has other workloads (a NoVerdict names this one)."""
+    t0, w = time.monotonic(), settings.workload
     found = _measure_all([u for _, u in servers], settings, transport, should_stop,
                          deadline=time.monotonic() + cut_after_s(w))
     if should_stop is not None and should_stop():
@@ -288,8 +365,8 @@ def run_gate(request: GateRequest, settings: GateSettings, *, transport: httpx.B
     for m in measured:
         if m.role == BASELINE and m.measurement.requests == m.measurement.errors:
             why = m.measurement.error_examples[0] if m.measurement.error_examples else "no request finished"
-            raise NoVerdict(f"baseline {m.url}: no successful request ({why}); nothing to compare the canary "
-                            f"with, no verdict")
+            raise NoVerdict(f"baseline {m.url}: no successful request ({why}){' with ' + w.label if several else ''}; "
+                            f"nothing to compare the canary with, no verdict")
     reference = combine([m.measurement for m in measured if m.role == BASELINE])
     judged = tuple(Judged(m.url, compare(reference, m.measurement, settings.thresholds))
                    for m in measured if m.role == CANARY)

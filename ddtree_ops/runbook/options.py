@@ -22,8 +22,9 @@ class DeployOptions:
     perf_gate: bool | None = None  # --perf-gate/--no-perf-gate; None: the inventory's perf_gate.enabled
     marginal: str = "fail"  # a marginal performance verdict: "accept" | "fail" | "ask" (a terminal)
     ask: Callable[[str], bool] | None = None  # how "ask" asks (the CLI's prompt)
-    # A host not yet updated, measured with the same workload for comparison (set by the rollout).
-    peer_measure: Callable[[str], Any] | None = None
+    # A host not yet updated, measured with the same workload for comparison (set by the rollout):
+    # (host name, the perf gate's workload) → its measurement.
+    peer_measure: Callable[[str, Any], Any] | None = None
     # The rollout this run is part of (fleet/rollout_id.py), recorded with each host's release.
     rollout_id: str | None = None
     stop_after_canary: bool = False  # deploy: the canary batch only, left on the new release

@@ -6,14 +6,23 @@ performance gate. Its own object, which the runbook (phases.py) holds and the ph
     drain → stop → ... → health gate → join_router → perf_gate → soak → commit
 
 Only node 0 of a multi-node server serves requests, so only it is routed and measured.
+
+The gate measures each of the host's `perf_gate.workloads` in turn (the baseline: one measurement
+per workload, in their order; the canary: each beside its peer), judges each with `compare`, and
+the worst verdict wins (`worst_of`: the first of the worst on a tie, today's case by default).
+The record kept (`perf_result`) is the deciding workload's, in the shape it always had, its
+reasons those of every workload named by its label, plus `workload` (which one decided) and
+`workloads` (each one's own record).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Sequence
 
+from ..config.workload_settings import Workload
 from ..gates.perfgate import GateVerdict, Verdict, compare
 from ..gates.router import RouterError, SmgRouter
 from ..gates.workload import Measurement, measure
@@ -112,53 +121,72 @@ class Traffic:
         on = self.host.perf_gate.enabled if opts.perf_gate is None else opts.perf_gate
         return bool(on) and self.health_checked
 
-    def _measure(self) -> Measurement:
-        """The gate's workload against this host's server (errors are counted, never raised)."""
+    def _measure(self, workload: Workload) -> Measurement:
+        """`workload` against this host's server (errors are counted, never raised)."""
         with self.session.http() as client:
-            return measure(client, self.host.perf_gate.workload)
+            return measure(client, workload)
 
-    def measure_baseline(self, opts: DeployOptions, serving: bool) -> Measurement | None:
-        """The workload against the server as it is, before any change (None: nothing serves)."""
+    def measure_baseline(self, opts: DeployOptions, serving: bool) -> tuple[Measurement, ...] | None:
+        """Each workload against the server as it is, before any change, one measurement per
+        workload in their order (None: nothing serves)."""
         if not self.gate_enabled(opts):
             return None
         if not serving:
             self.log.step("baseline", "skipped: nothing serves on the host before the change")
             return None
         self.log.phase("baseline")
-        m = self._measure()
-        self.log.step("baseline", _brief(m))
-        return m
+        workloads = self.host.perf_gate.workloads
+        found = []
+        for w in workloads:
+            m = self._measure(w)
+            self.log.step("baseline", _brief(m) if len(workloads) == 1 else f"{w.label}: {_brief(m)}")
+            found.append(m)
+        return tuple(found)
 
-    def perf_gate(self, baseline: Measurement | None, opts: DeployOptions) -> None:
-        """The same workload against the new server (and, side by side, a host not yet updated);
-        a fail rolls the host back; a marginal verdict asks, or fails without --accept-marginal."""
-        if not self.gate_enabled(opts):
-            return
-        self.log.phase("perf gate")
-        pg = self.host.perf_gate
+    def _measure_beside_peer(self, workload: Workload, opts: DeployOptions
+                             ) -> tuple[Measurement, Measurement | None, str | None]:
+        """(canary, peer, why the peer could not be measured): `workload` against the new server
+        and, at the same time, against a host not yet updated (when the rollout names one)."""
         peer: dict[str, Any] = {}
         t = None
-        if pg.compare_peers and opts.peer_measure is not None:
+        if self.host.perf_gate.compare_peers and opts.peer_measure is not None:
             def run_peer() -> None:
                 try:
-                    peer["m"] = opts.peer_measure(self.host.name)
+                    peer["m"] = opts.peer_measure(self.host.name, workload)
                 except Exception as e:  # a peer that cannot be measured is said, not fatal
                     peer["error"] = f"{type(e).__name__}: {e}"
             t = threading.Thread(target=run_peer, name=f"peer-of-{self.host.name}", daemon=True)
             t.start()
-        canary = self._measure()
+        canary = self._measure(workload)
         if t is not None:
             t.join()
-        peers = peer.get("m")
-        verdict, record = judge(baseline, canary, peers, pg.thresholds)
-        if peer.get("error"):
-            record["reasons"].append(f"the peer could not be measured: {peer['error']}")
-        self.perf_result = record
-        summary = verdict.summary() if verdict else record["reasons"][0]
-        self.log.step("perf gate", summary)
-        if verdict is None or verdict.verdict is Verdict.PASS:
+        return canary, peer.get("m"), peer.get("error")
+
+    def perf_gate(self, baseline: Sequence[Measurement] | Measurement | None, opts: DeployOptions) -> None:
+        """Each workload against the new server (and, side by side, a host not yet updated),
+        judged against its baseline; the worst verdict counts: a fail rolls the host back; a
+        marginal verdict asks, or fails without --accept-marginal. `baseline`: measure_baseline's
+        (a lone Measurement: the first workload's)."""
+        if not self.gate_enabled(opts):
             return
-        if verdict.verdict is Verdict.FAIL:
+        self.log.phase("perf gate")
+        pg = self.host.perf_gate
+        bases = _baselines(baseline, len(pg.workloads))
+        judged: list[Judged] = []
+        for w, b in zip(pg.workloads, bases, strict=True):
+            canary, peers, peer_error = self._measure_beside_peer(w, opts)
+            verdict, record = judge(b, canary, peers, pg.thresholds)
+            if peer_error:
+                record["reasons"].append(f"the peer could not be measured: {peer_error}")
+            judged.append(Judged(w, verdict, record))
+            if len(pg.workloads) > 1:
+                self.log.step("perf gate", f"{w.label}: {one_summary(verdict, record)}")
+        worst, record, summary = worst_of(judged)
+        self.perf_result = record
+        self.log.step("perf gate", summary)
+        if worst is Verdict.PASS:
+            return
+        if worst is Verdict.FAIL:
             raise StepFailed("perf gate", summary)
         if opts.marginal == "accept":
             self.log.step("perf gate", "marginal, accepted (--accept-marginal)")
@@ -169,6 +197,78 @@ class Traffic:
             return
         raise StepFailed("perf gate", f"{summary}; a marginal verdict fails without a terminal to ask on "
                                         f"(pass --accept-marginal to accept it)")
+
+
+def _baselines(baseline: Sequence[Measurement] | Measurement | None, n: int) -> tuple[Measurement | None, ...]:
+    """One baseline per workload: None (nothing served) for each, a lone Measurement for the
+    first (a caller measuring one workload), a sequence as given."""
+    if baseline is None:
+        return (None,) * n
+    if isinstance(baseline, Measurement):
+        return (baseline,) + (None,) * (n - 1)
+    if len(baseline) != n:
+        raise ValueError(f"{len(baseline)} baseline measurements for {n} workloads")
+    return tuple(baseline)
+
+
+@dataclass(frozen=True)
+class Judged:
+    """One workload's verdict (None: nothing to compare with) and the record kept of it."""
+
+    workload: Workload
+    verdict: GateVerdict | None
+    record: dict[str, Any]
+
+    @property
+    def rank(self) -> int:
+        return self.verdict.verdict.rank if self.verdict else Verdict.PASS.rank
+
+
+def workload_doc(w: Workload) -> dict[str, Any]:
+    """The case a record was measured with, as the record keeps it."""
+    return {"label": w.label, "name": w.name, "concurrency": w.concurrency, "temperature": w.temperature,
+            "top_p": w.top_p, "max_new_tokens": w.max_new_tokens, "duration_s": w.duration_s,
+            "min_requests": w.min_requests}
+
+
+def one_summary(verdict: GateVerdict | None, record: dict[str, Any]) -> str:
+    return verdict.summary() if verdict else record["reasons"][0]
+
+
+def worst_of(judged: Sequence[Judged]) -> tuple[Verdict, dict[str, Any], str]:
+    """(the gate's verdict, the record kept, its one-line summary) over the workloads: the worst
+    verdict wins, the first of the worst on a tie. The record is the deciding workload's (its
+    verdict, baseline, canary, peers and rows at the top, as consumers read a gate), with
+    `workload` naming the case, `workloads` every workload's record, and, when there are several,
+    every workload's reasons prefixed by its label, the deciding one's first."""
+    if not judged:
+        raise ValueError("no workload was judged")
+    decider = max(judged, key=lambda j: j.rank)  # max keeps the first of the worst
+    verdict = decider.verdict.verdict if decider.verdict else Verdict.PASS
+    each = [{**j.record, "workload": workload_doc(j.workload)} for j in judged]
+    record = {**decider.record, "workload": workload_doc(decider.workload), "workloads": each}
+    if len(judged) == 1:
+        return verdict, record, one_summary(decider.verdict, decider.record)
+    ordered = [decider] + [j for j in judged if j is not decider]
+    record["reasons"] = [f"{j.workload.label}: {r}" for j in ordered for r in j.record["reasons"]]
+    verdicts = ", ".join(f"{j.workload.label} {j.verdict.verdict.value if j.verdict else 'pass'}" for j in judged)
+    if verdict is Verdict.PASS:
+        return verdict, record, f"pass on every workload ({verdicts}): " + "; ".join(
+            f"{j.workload.label} {_tps_brief(j)}" for j in judged)
+    reasons = decider.record["reasons"]
+    more = len(record["reasons"]) - 1
+    return verdict, record, (f"{verdict.value} on {decider.workload.label} ({verdicts}): {reasons[0]}"
+                             f"{f' (+{more} more)' if more else ''}")
+
+
+def _tps_brief(j: Judged) -> str:
+    """A passing workload's output tok/s against its reference: "output tok/s 200.0 → 204.0 (+2.0 %)"."""
+    canary = (j.record.get("canary") or {}).get("output_tps")
+    ref = (j.record.get("baseline") or j.record.get("peers") or {}).get("output_tps")
+    if ref is None or j.verdict is None:
+        return f"output tok/s {canary or 0.0:.1f} (nothing to compare with)"
+    change = f" ({(canary - ref) / ref * 100:+.1f} %)".replace("-", "−") if ref else ""
+    return f"output tok/s {ref:.1f} → {canary:.1f}{change}"
 
 
 def judge(baseline: Measurement | None, canary: Measurement, peers: Measurement | None,

@@ -347,3 +347,37 @@ def test_a_budget_above_the_fail_knob_dies_capturing_cuda_graphs_before_the_port
     assert "Capture cuda graph failed" not in at_limit.log
     assert at_limit.get("/server_info")[1]["speculative_ddtree_budget"] == 8
     assert costmodel.DEFAULT_KNEE_TOKENS == at_limit.get("/server_info")[1]["standin_verify_knee_tokens"]
+
+
+# --------------------------------------------------------------------------- the calibration cache
+
+
+def test_the_payloads_accept_length_is_measured_once_per_payload_files_and_config(tmp_path, monkeypatch):
+    from ddtree_ops.testing.standin import calibration as cal
+
+    measured = []
+
+    def fake_calibrate(fns, budget, topk_cap):
+        measured.append((budget, topk_cap))
+        return cal.Calibration(2.0 + budget / 100, 1.5, 128, 0.7)
+    monkeypatch.setattr(cal, "calibrate", fake_calibrate)
+    module = tmp_path / "ddtree_utils.py"
+    module.write_bytes(b"# payload v1\n")
+    cache = str(tmp_path / "cache")
+
+    first = cal.cached_calibrate(None, 16, 4, [module], cache)
+    again = cal.cached_calibrate(None, 16, 4, [module], cache)
+    assert measured == [(16, 4)] and not first.cached and again.cached
+    assert (again.greedy, again.sampled, again.steps) == (first.greedy, first.sampled, first.steps)
+    assert "cached from an earlier start" in again.describe() and "128 verify steps each" in again.describe()
+
+    cal.cached_calibrate(None, 8, 4, [module], cache)  # another config
+    module.write_bytes(b"# payload v2\n")  # another release of the payload
+    cal.cached_calibrate(None, 16, 4, [module], cache)
+    assert measured == [(16, 4), (8, 4), (16, 4)]
+
+    for f in (tmp_path / "cache").iterdir():
+        f.write_text("{not json")
+    assert not cal.cached_calibrate(None, 16, 4, [module], cache).cached  # an odd file: measured again
+    cal.cached_calibrate(None, 16, 4, [module], None)  # no cache: every start measures
+    assert len(measured) == 5

@@ -31,6 +31,7 @@ from .layout import (
     VENV_PATH,
     SandboxHost,
 )
+from ..standin.args import CALIBRATION_CACHE_ENV
 from .prerequisites import SFTP_SERVER, SSHD
 from .system import SYSTEM_PATH, run
 
@@ -272,6 +273,11 @@ def write_etc_overlay(upper: Path, h: SandboxHost) -> None:
         (control / sub).mkdir(parents=True)
     (upper / "machine-id").write_text(uuid.uuid4().hex + "\n")
     (upper / "hostname").write_text(h.name + "\n")
+    # Every unit's environment: the stand-in keeps the payload's calibrations in the host's own
+    # volatile /var (testing/standin/calibration.py; gone when the host reboots).
+    (upper / "systemd" / "system.conf.d").mkdir(parents=True)
+    (upper / "systemd" / "system.conf.d" / "ddtree-sandbox.conf").write_text(
+        f"[Manager]\nDefaultEnvironment={CALIBRATION_CACHE_ENV}=/var/cache/ddtree-standin\n")
     (upper / "tmpfiles.d").mkdir()
     (upper / "tmpfiles.d" / "ddtree-sandbox.conf").write_text("d /run/sshd 0755 root root -\n")
     os.symlink("/dev/null", control / "ssh.service")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,11 @@ def knee_tokens(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number of tokens: {text!r} (give e.g. 256, or inf for "
                                          "no cost model)")
     return value
+
+
+# Where a host keeps the payload's calibrations (calibration.cached_calibrate): set for every unit of
+# a sandbox host by its systemd manager (sandbox/hostfiles.py), unset elsewhere.
+CALIBRATION_CACHE_ENV = "DDTREE_STANDIN_CALIBRATION_CACHE"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--standin-orphan-gpu-seconds", type=float, default=None, metavar="S",
                    help="once the server ends, a leftover process outside the unit holds 'GPU memory' for "
                         "S seconds (what a crashed or stopped server can leave behind)")
+    g.add_argument("--standin-calibration-cache", default=os.environ.get(CALIBRATION_CACHE_ENV, ""), metavar="DIR",
+                   help="keep the payload's measured accept length here, keyed by the payload files' and the "
+                        "config's sha256, so a later start of the same release reads it (default "
+                        f"${CALIBRATION_CACHE_ENV}, which sandbox hosts set; '': measure at every start)")
     g.add_argument("--standin-site-packages", default=None, metavar="DIR",
                    help="where to look for sglang when it is not importable")
     return p

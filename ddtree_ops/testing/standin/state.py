@@ -52,10 +52,10 @@ from typing import Any
 from ddtree_ops.config.redaction import MASK
 
 from .args import masked
-from .calibration import Calibration, calibrate
+from .calibration import Calibration, cached_calibrate
 from .costmodel import cost_model_on, verified_tokens_per_request, verify_step_seconds
 from .logs import log
-from .payload import PayloadError, lookup_ddtree_functions
+from .payload import PayloadError, list_ddtree_modules, lookup_ddtree_functions
 from .toymodel import (
     ToyModel,
     _params,
@@ -259,7 +259,9 @@ class State:
         if self.ddtree_fns is None:
             return
         try:
-            self.calibration = calibrate(self.ddtree_fns, self.budget(), self.topk_cap())
+            self.calibration = cached_calibrate(self.ddtree_fns, self.budget(), self.topk_cap(),
+                                                list_ddtree_modules(self.site_packages),
+                                                getattr(self.args, "standin_calibration_cache", None))
         except PayloadError as exc:
             self.payload_errors += 1
             log(f"DDTree payload error at start-up, falling back to autoregressive decoding: "

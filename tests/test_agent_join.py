@@ -40,7 +40,7 @@ def test_the_joined_source_runs_alone_and_answers(tmp_path):
     ], tmp_path)
     assert [a["ok"] for a in answers] == [True, True, True, True], err
     assert answers[1]["result"]["acquired"] and answers[1]["result"]["holder"]["generation"] == 1
-    assert answers[2]["result"] == {"releases": [], "current": None, "original": False}
+    assert answers[2]["result"] == {"releases": [], "current": None, "original": False, "tunes": []}
 
 
 def test_the_package_source_unjoined_does_not_run_alone(tmp_path):

@@ -182,7 +182,7 @@ def test_a_well_formed_request_is_answered(tmp_path):
     """Control for the refusals above: the same shape with the right names runs."""
     answer = Agent().handle({"op": "history", "state_dir": str(tmp_path / "state")})
     busy = answer.pop("busy_s")  # how long it worked: the controller's lease view starts after it
-    assert answer == {"ok": True, "result": {"releases": [], "current": None, "original": False}}
+    assert answer == {"ok": True, "result": {"releases": [], "current": None, "original": False, "tunes": []}}
     assert 0 <= busy < 5
 
 

@@ -18,11 +18,12 @@ DFLASH = "sglang-k26-dflash-cg.service"
 
 
 class Client:
-    """Generations sent one after another through the router by `threads` threads, until stopped;
-    every answer that is not a 200 with text is a failure, kept with its reason."""
+    """Generations sent one after another through the router by `threads` threads (each waiting
+    `pause_s` between two), until stopped; every answer that is not a 200 with text is a failure,
+    kept with its reason."""
 
-    def __init__(self, url: str, threads: int = 3):
-        self.url, self.sent, self.failed = url, 0, []
+    def __init__(self, url: str, threads: int = 3, pause_s: float = 0.0):
+        self.url, self.sent, self.failed, self.pause_s = url, 0, [], pause_s
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)]
@@ -40,6 +41,8 @@ class Client:
                     self.sent += 1
                     if bad:
                         self.failed.append(f"{time.monotonic() - self.t0:.1f} s: {bad}")
+                if self.pause_s:
+                    self._stop.wait(self.pause_s)
 
     def __enter__(self) -> Client:
         self.t0 = time.monotonic()

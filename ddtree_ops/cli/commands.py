@@ -602,11 +602,12 @@ def _warn(msg: str) -> None:
 
 
 def _register_commands() -> None:
-    from . import cmd_diff, cmd_gate, cmd_logs, cmd_metrics, cmd_rollouts
+    from . import cmd_diff, cmd_gate, cmd_logs, cmd_metrics, cmd_rollouts, cmd_tune
 
     for module in (cmd_logs, cmd_metrics, cmd_diff, cmd_gate):
         module.register(app)
     cmd_rollouts.register(app, cmd_rollouts.CommandKit(_hosts, _targets, _source, _report_path, _print_rollout, _warn))
+    cmd_tune.register(app, cmd_tune.TuneKit(_targets, _source, _print_rollout))
 
 
 _register_commands()

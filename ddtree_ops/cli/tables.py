@@ -215,3 +215,19 @@ def print_history(hist: dict[str, Any]) -> None:
                                  r.get("budget"), r.get("topk_cap"), r.get("outcome"), gate_brief(r.get("perf_gate")))))
     console().print(t)
     print(clean(f"current: {hist['current'] or 'original upstream files'}"))
+    tunes = hist.get("tunes") or []
+    if tunes:
+        print_tunes(tunes)
+
+
+def print_tunes(tunes: list[dict[str, Any]]) -> None:
+    """The tunes a host keeps (`ddtree-ops tune`): when, on which hosts, the winners and the pick."""
+    t = Table("tune", "started (UTC)", "hosts", "rows", "winners", "pick")
+    for d in tunes:
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(d.get("started_at") or 0))
+        winners = ", ".join(f"{w.get('workload')}: {w.get('config') or '-'}" for w in d.get("winners") or [])
+        pick = d.get("pick") or {}
+        t.add_row(*map(literal, (d.get("tune_id"), started + (" (interrupted)" if d.get("interrupted") else ""),
+                                 ", ".join(d.get("hosts") or []), d.get("rows"), winners or "-",
+                                 pick.get("config") or "-")))
+    console().print(t)

@@ -268,7 +268,9 @@ TargetAction = Callable[[Target, EventSink], list[HostResult]]
 STOPPED_AFTER_CANARY = "--stop-after-canary: waiting for `promote`"
 
 
-_RUNNING: list[Rollout] = []  # the rollouts under way in this process (the CLI runs one at a time)
+# What runs in this process and takes interrupts in its own time (`interrupt(e)`): the rollouts under
+# way (the CLI runs one at a time) and a tune (fleet/tune.py).
+_RUNNING: list[Any] = []
 
 
 def deliver_interrupt(e: KeyboardInterrupt) -> bool:

@@ -48,6 +48,7 @@ from .agent.protocol import (
     RestoreCheckReply,
     RestoreReply,
     SetCurrent,
+    TuneWrite,
     Unlock,
     VerifyBackup,
     VerifyBackupReply,
@@ -232,6 +233,9 @@ class ReleaseStore:
 
     def write_release(self, rid: str, **fields: Any) -> dict[str, Any]:
         return self._ask(ReleaseWrite(self.state_dir, rid, fields))["release"]
+
+    def write_tune(self, tune_id: str, doc: dict[str, Any]) -> None:
+        self._ask(TuneWrite(self.state_dir, tune_id, doc))
 
     def set_current(self, rid: str | None) -> None:
         self._ask(SetCurrent(self.state_dir, rid))

@@ -243,6 +243,17 @@ class ReleaseWrite(Request):
 
 
 @dataclass
+class TuneWrite(Request):
+    """Keep a tune's record (`ddtree-ops tune`: its rows and winners) as tunes/<id>.json, beside the
+    release records; `history` lists them."""
+
+    OP = "tune_write"
+    state_dir: str
+    tune_id: str
+    doc: Dict[str, Any]
+
+
+@dataclass
 class SetCurrent(Request):
     OP = "set_current"
     state_dir: str
@@ -355,7 +366,7 @@ class RestoreCheck(Request):
 
 REQUESTS = {cls.OP: cls for cls in (
     Hello, Renew, Facts, Lock, Unlock, Journal, Compile, VerifyUnit, Backup, Install, Restore, VerifyBackup,
-    RemovePartial, ReleaseWrite, SetCurrent, History, Prune, Run, LaunchCheck, PathAccess, ProcInfo,
+    RemovePartial, ReleaseWrite, TuneWrite, SetCurrent, History, Prune, Run, LaunchCheck, PathAccess, ProcInfo,
     ReleaseContent, RestoreCheck)}
 
 

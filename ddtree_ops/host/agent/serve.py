@@ -53,13 +53,22 @@ from .protocol import (
     RestoreCheck,
     Run,
     SetCurrent,
+    TuneWrite,
     Unlock,
     VerifyBackup,
     VerifyUnit,
     decode_request,
 )
 from .restore_check import op_restore_check
-from .store import op_history, op_journal, op_prune, op_release_write, op_remove_partial, op_set_current
+from .store import (
+    op_history,
+    op_journal,
+    op_prune,
+    op_release_write,
+    op_remove_partial,
+    op_set_current,
+    op_tune_write,
+)
 from .systemd import op_run, op_verify_unit
 from .venv_compile import op_compile
 
@@ -105,7 +114,8 @@ BOOTSTRAP = "\n".join([
 # Every op but `hello`, `renew` and the lock's two (which act on the process's own lease and lock).
 OPS = {
     Facts: op_facts, Journal: op_journal, Compile: op_compile, Backup: op_backup, Install: op_install,
-    Restore: op_restore, ReleaseWrite: op_release_write, SetCurrent: op_set_current, History: op_history,
+    Restore: op_restore, ReleaseWrite: op_release_write, TuneWrite: op_tune_write, SetCurrent: op_set_current,
+    History: op_history,
     Prune: op_prune, VerifyBackup: op_verify_backup, RemovePartial: op_remove_partial,
     VerifyUnit: op_verify_unit, Run: op_run, LaunchCheck: op_launch_check, ProcInfo: op_proc_info,
     PathAccess: op_path_access, ReleaseContent: op_release_content, RestoreCheck: op_restore_check,

@@ -7,8 +7,8 @@ import shutil
 import time
 
 from .files import atomic_json, atomic_write, ensure_private_dir, fsync_dir, read_json
-from .protocol import History, Journal, Prune, ReleaseWrite, RemovePartial, RemovePartialReply, SetCurrent
-from .statedir import read_current, require_state_dir
+from .protocol import History, Journal, Prune, ReleaseWrite, RemovePartial, RemovePartialReply, SetCurrent, TuneWrite
+from .statedir import ensure_state_dir, read_current, require_state_dir
 
 
 def op_journal(req: Journal):
@@ -39,6 +39,39 @@ def op_release_write(req: ReleaseWrite):
     return {"release": doc}
 
 
+# A tune's record is kept whole (its rows), but `history` shows only these keys of the newest ones.
+TUNE_SUMMARY_KEYS = ("tune_id", "started_at", "finished_at", "interrupted", "hosts", "winners", "pick", "objective")
+TUNES_LISTED = 20
+TUNE_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789-")
+
+
+def op_tune_write(req: TuneWrite):
+    if not req.tune_id or len(req.tune_id) > 64 or not set(req.tune_id) <= TUNE_ID_CHARS:
+        raise ValueError("bad tune id %r" % (req.tune_id,))
+    ensure_state_dir(req.state_dir)  # a host that only measured DFlash for the tune has none yet
+    tdir = os.path.join(req.state_dir, "tunes")
+    ensure_private_dir(tdir)
+    atomic_json(os.path.join(tdir, req.tune_id + ".json"), req.doc)
+    return {"tune_id": req.tune_id}
+
+
+def _tune_summaries(state):
+    root = os.path.join(state, "tunes")
+    if not os.path.isdir(root):
+        return []
+    out = []
+    for name in sorted(os.listdir(root)):
+        if not name.endswith(".json"):
+            continue
+        doc = read_json(os.path.join(root, name))
+        if isinstance(doc, dict):
+            summary = {k: doc.get(k) for k in TUNE_SUMMARY_KEYS}
+            summary["rows"] = len(doc.get("rows") or [])
+            out.append(summary)
+    out.sort(key=lambda d: (d.get("started_at") or 0, d.get("tune_id") or ""))
+    return out[-TUNES_LISTED:]
+
+
 def op_set_current(req: SetCurrent):
     state = req.state_dir
     rid = req.release_id
@@ -66,7 +99,8 @@ def op_history(req: History):
                 rels.append(doc)
     rels.sort(key=lambda d: (d.get("created") or 0, d["id"]))
     return {"releases": rels, "current": read_current(state),
-            "original": os.path.isfile(os.path.join(state, "original", "manifest.json"))}
+            "original": os.path.isfile(os.path.join(state, "original", "manifest.json")),
+            "tunes": _tune_summaries(state)}
 
 
 def op_prune(req: Prune):

@@ -144,3 +144,39 @@ def test_each_host_keeps_the_tunes_record_and_its_history_lists_it(two, patchset
         assert "rows" not in kept or isinstance(kept["rows"], int)  # the summary, not the whole record
     with pytest.raises(DdtreeOpsError, match="bad tune id"):
         two["fh1"].session().store.write_tune("../../etc/x", doc)
+
+
+def test_a_write_that_would_be_refused_is_refused_before_any_host_is_touched(tmp_path):
+    """sbx-a takes its budget from its own vars, sbx-b from the group's: no one place to write a pick
+    to, so `tune --write` exits 2 at once (127.0.0.9 is never connected to: nothing listens there)."""
+    from typer.testing import CliRunner
+
+    from ddtree_ops.cli.commands import app
+
+    key = tmp_path / "id"
+    key.write_text("not a key\n")
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(f"""\
+all:
+  vars:
+    address: 127.0.0.9
+    identity_file: {key}
+    known_hosts: {tmp_path / "known_hosts"}
+    python: /opt/venv/bin/python
+    site_packages: /opt/venv/lib/python3.11/site-packages
+    model_path: /m
+    draft_model_path: /d
+    budget: 16
+    topk_cap: 4
+  children:
+    gpu:
+      hosts:
+        sbx-a:
+          budget: 8
+        sbx-b:
+""")
+    r = CliRunner().invoke(app, ["tune", "-i", str(inv), "--write", "--yes", "--budgets", "4,8"],
+                           catch_exceptions=False)
+    assert r.exit_code == 2, r.output
+    assert "--write would be refused after the tune, so nothing was started" in r.stderr
+    assert "sbx-a" in r.stderr and "sbx-b" in r.stderr

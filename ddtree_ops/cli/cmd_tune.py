@@ -154,6 +154,8 @@ def register(app: typer.Typer, kit: TuneKit) -> None:
             configs = grid(bs, ks, (hosts[0].budget, hosts[0].topk_cap))
             policy, bounded = rollout_policy_for(targets, max_unavailable)
             notes = [*notes, *bounded]
+            if write:  # a --write that would be refused is refused now, before an hour of tuning
+                _check_writable(inventory, [h.name for h in hosts], configs)
             with kit.source(patchset, bundle, hosts, expect_id=expect_id) as (ps, b):
                 connect = ssh_connector(accept_new_host_keys, hooks_of(ctx))
                 current = survey(hosts, connect)
@@ -230,6 +232,23 @@ def register(app: typer.Typer, kit: TuneKit) -> None:
             adm = gate([by_name[host]])
             return None if adm.go else (adm.why or "the router's pool would be too small")
         return admit
+
+    def _check_writable(inventory: str, names: list[str], configs: list) -> None:
+        """InputError now when --write could not write a pick: the hosts take budget or topk_cap from
+        different places, or those places cannot be edited (inventory_edit.py's refusals). Tried with
+        the grid's largest budget (no other host's top-k cap can end above it) and a cap that differs
+        from the inventory's where the grid has one, so both keys' sources are checked."""
+        from ..config.inventory_edit import plan_write
+
+        inv = next((c for c in configs if c.inventory), None)
+        trees = sorted((c for c in configs if not c.dflash and not c.inventory),
+                       key=lambda c: (-c.budget, inv is not None and c.topk_cap == inv.topk_cap))
+        other = trees[0] if trees else None
+        if other is not None:
+            try:
+                plan_write(inventory, names, {"budget": other.budget, "topk_cap": other.topk_cap})
+            except InputError as e:
+                raise InputError(f"--write would be refused after the tune, so nothing was started: {e}") from None
 
     def _write(doc: dict[str, Any], inventory: str, names: list[str], yes: bool) -> int:
         from ..config.inventory_edit import apply_plan, plan_write

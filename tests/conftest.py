@@ -103,6 +103,10 @@ SAME_WORKER = {"tests/payload/test_tree_step_cpu.py": "tests/payload/test_tree_b
 #   sandbox tier's longest files out first too was tried on 2026-12-04: the whole run took 609 s
 #   against 546 s without, every heavy file contending at once; left out.)
 LONG_FIRST = (
+    # The two longest sandbox files (228 s and 191 s + 49 s of ev23's run): handed out last by
+    # xdist's order they were the run's tail, each alone on its worker for its last minutes.
+    "tests/test_ansible_molecule.py",
+    "tests/test_tune_sandbox.py",
     "tests/test_runbook.py::test_a_controller_killed_at_any_call",
     "tests/test_heal_report.py::test_a_controller_killed_at_any_call",
     "tests/test_runbook.py::test_a_connection_lost_at_any_remote_call",

@@ -18,6 +18,7 @@ import time
 import zlib
 from html.parser import HTMLParser
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -330,22 +331,30 @@ def test_what_an_operator_wants_first_is_at_the_top():
     assert "15 of 370 requests failed</span> through http://r:1" in sampled  # the control: a sample is shown
 
 
-def test_write_report_is_atomic(tmp_path, monkeypatch):
-    out = tmp_path / "r.html"
+def assert_written_atomically(monkeypatch, out: Path, write: Callable[[], None], marker: str) -> None:
+    """`write()` puts a page at `out` through a temp file in the same folder renamed over it (the old
+    page stays whole until the rename), with `marker` and its time in it, and leaves nothing else."""
     out.write_text("old report")
     seen = []
     real_replace = os.replace
 
     def replace(src, dst):
         seen.append((Path(src).parent, Path(src).read_text(encoding="utf-8")[:15]))
-        assert out.read_text() == "old report"  # the old page stays whole until the rename
+        assert out.read_text() == "old report"
         real_replace(src, dst)
 
-    monkeypatch.setattr(report.os, "replace", replace)
-    write_report(out, sample_doc())
-    assert seen == [(tmp_path, "<!DOCTYPE html>")]  # a temp file in the same folder, renamed over
-    assert "gpu-node-04" in out.read_text(encoding="utf-8") and "report written" in out.read_text(encoding="utf-8")
-    assert list(tmp_path.iterdir()) == [out]
+    monkeypatch.setattr(os, "replace", replace)  # what config/atomic_file.py renames with
+    write()
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert seen == [(out.parent, "<!DOCTYPE html>")]
+    text = out.read_text(encoding="utf-8")
+    assert marker in text and "report written" in text
+    assert list(out.parent.iterdir()) == [out]
+
+
+def test_write_report_is_atomic(tmp_path, monkeypatch):
+    out = tmp_path / "r.html"
+    assert_written_atomically(monkeypatch, out, lambda: write_report(out, sample_doc()), "gpu-node-04")
 
     def boom(src, dst):
         raise OSError("disk full")

@@ -19,7 +19,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from test_perfgate_standin import _formula_site
 
+from ddtree_ops.testing.sandbox.smg import free_port
 from ddtree_ops.testing.standin import costmodel
 from ddtree_ops.testing.standin.args import build_parser
 from ddtree_ops.testing.standin.costmodel import (
@@ -191,29 +193,15 @@ def test_the_server_paces_with_the_model_only_in_the_verify_steps_mode():
         assert words in off.describe_cost_model(), more
 
 
-# -- stand-in servers ----------------------------------------------------------------------------------
+# -- stand-in servers (a DDTree module without the payload's functions: the formula's accept length)
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _site(root: Path) -> Path:
-    """sglang.srt.speculative with a DDTree module but no payload functions (the formula's path)."""
-    spec = root / "sglang" / "srt" / "speculative"
-    spec.mkdir(parents=True)
-    for d in (root / "sglang", root / "sglang" / "srt", spec):
-        (d / "__init__.py").write_text("")
-    (spec / "ddtree_info.py").write_text("X = 1\n")
-    return root
 
 
 class _Server:
     def __init__(self, tmp: Path, name: str, *flags: str):
-        self.port = _free_port()
+        self.port = free_port()
         self.log_path = tmp / f"{name}.log"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(_site(tmp / f"sp-{name}")), str(REPO)])}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(_formula_site(tmp / f"sp-{name}")), str(REPO)])}
         env.pop("DDTREE_STANDIN_LOAD_SECONDS", None)
         with open(self.log_path, "wb") as fh:
             self.proc = subprocess.Popen(

@@ -10,13 +10,14 @@ document still a page.
 from __future__ import annotations
 
 import math
-import os
 import re
 import xml.etree.ElementTree as ET
-from html.parser import HTMLParser
-from pathlib import Path
 
 import pytest
+from test_report import (  # the deploy report's parser: the same tags and text a browser sees
+    assert_written_atomically,
+    parse,
+)
 
 from ddtree_ops.cli.tune_report import gain_text, render_tune_report, tune_panels, write_tune_report
 
@@ -76,26 +77,6 @@ def sample_doc() -> dict:
                      {"host": "gpu-b", "release": "r-20261201-aa", "ok": True, "message": ""}]}
 
 
-class Page(HTMLParser):
-    """Start tags with their attributes and the text, as a browser's parser sees them."""
-
-    def __init__(self) -> None:
-        super().__init__(convert_charrefs=True)
-        self.tags: list[tuple[str, dict[str, str]]] = []
-        self.text: list[str] = []
-
-    def handle_starttag(self, tag, attrs):
-        self.tags.append((tag, {k: v or "" for k, v in attrs}))
-
-    def handle_data(self, data):
-        self.text.append(data)
-
-
-def parse(page: str) -> Page:
-    p = Page()
-    p.feed(page)
-    p.close()
-    return p
 
 
 def svgs(page: str) -> list[ET.Element]:
@@ -309,17 +290,4 @@ def test_render_is_deterministic():
 
 def test_write_tune_report_is_atomic(tmp_path, monkeypatch):
     out = tmp_path / "tune.html"
-    out.write_text("old report")
-    seen = []
-    real_replace = os.replace
-
-    def replace(src, dst):
-        seen.append((Path(src).parent, Path(src).read_text(encoding="utf-8")[:15]))
-        assert out.read_text() == "old report"  # the old page stays whole until the rename
-        real_replace(src, dst)
-
-    monkeypatch.setattr(os, "replace", replace)  # what config/atomic_file.py renames with
-    write_tune_report(str(out), sample_doc())
-    assert seen == [(tmp_path, "<!DOCTYPE html>")]
-    assert "t-20261204-0912" in out.read_text(encoding="utf-8") and "report written" in out.read_text()
-    assert list(tmp_path.iterdir()) == [out]
+    assert_written_atomically(monkeypatch, out, lambda: write_tune_report(str(out), sample_doc()), "t-20261204-0912")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ..config.workload_settings import CONCURRENCY_MAX, Workload
 from ..errors import InputError
@@ -59,39 +59,30 @@ class TuneConfig:
 DFLASH = TuneConfig(None, None)
 
 
-def parse_int_list(text: str, flag: str, lo: int, hi: int) -> tuple[int, ...]:
-    """"4,8,16" → (4, 8, 16): sorted, each once; InputError naming the flag."""
-    out: list[int] = []
+def _parse_list(text: str, flag: str, convert: Callable[[str], Any], what: str, example: str,
+                lo: float, hi: float) -> tuple[Any, ...]:
+    """"4,8,16" → (4, 8, 16): each `convert`ed and within lo..hi, sorted, each once; InputError
+    naming the flag."""
+    out = []
     for part in text.split(","):
         part = part.strip()
         try:
-            v = int(part)
+            v = convert(part)
         except ValueError:
-            raise InputError(f"{flag}: {part!r} is not a whole number (give a comma-separated list, "
-                             f"like {flag} 4,8,16)") from None
-        if not lo <= v <= hi:
-            raise InputError(f"{flag}: {v} is out of range {lo}..{hi}")
+            raise InputError(f"{flag}: {part!r} is not {what} (give a comma-separated list, like "
+                             f"{flag} {example})") from None
+        if math.isnan(v) or not lo <= v <= hi:
+            raise InputError(f"{flag}: {part} is out of range {lo:g}..{hi:g}")
         out.append(v)
-    if not out:
-        raise InputError(f"{flag}: give at least one value")
     return tuple(sorted(set(out)))
+
+
+def parse_int_list(text: str, flag: str, lo: int, hi: int) -> tuple[int, ...]:
+    return _parse_list(text, flag, int, "a whole number", "4,8,16", lo, hi)
 
 
 def parse_float_list(text: str, flag: str, lo: float, hi: float) -> tuple[float, ...]:
-    out: list[float] = []
-    for part in text.split(","):
-        part = part.strip()
-        try:
-            v = float(part)
-        except ValueError:
-            raise InputError(f"{flag}: {part!r} is not a number (give a comma-separated list, "
-                             f"like {flag} 0,0.7)") from None
-        if not (lo <= v <= hi) or math.isnan(v):
-            raise InputError(f"{flag}: {part} is out of range {lo:g}..{hi:g}")
-        out.append(v)
-    if not out:
-        raise InputError(f"{flag}: give at least one value")
-    return tuple(sorted(set(out)))
+    return _parse_list(text, flag, float, "a number", "0,0.7", lo, hi)
 
 
 def grid(budgets: Sequence[int], topk_caps: Sequence[int], inventory: tuple[int, int] | None) -> list[TuneConfig]:

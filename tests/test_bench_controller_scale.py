@@ -42,10 +42,15 @@ def test_more_hosts_cost_more_controller_cpu_and_every_host_is_counted(measured)
         assert run.deploy.outcomes == {"deployed": run.hosts}
         assert run.rollback.outcomes == {"rolled_back": run.hosts}
         assert 0 < run.deploy.agent_cpu_s < run.deploy.cpu_s  # the in-process agent is measured apart
-        # The peak is the kernel's high-water mark (VmHWM) reset to the RSS when the rollout begins,
-        # so never below it; ru_maxrss, the process's lifetime mark, may read below VmRSS inside this
-        # long-lived test process (the kernel updates it lazily).
-        assert run.peaks.rss_kib >= run.rss_before_kib > 0 and run.maxrss_kib > 0
+        # The peak is the kernel's high-water mark (VmHWM) reset to the RSS when the rollout begins.
+        # Not "never below the RSS read on entry": both are the kernel's approximate counters (per-CPU
+        # batches not folded in), the mark is only raised lazily (at unmap and reclaim, not at each
+        # fault), and this VM's proactive reclaim (DAMON pageout) takes pages from a long-lived test
+        # process while it runs: ev25 read a peak of 557,688 KiB after 557,848 KiB on entry. A few
+        # MiB either way is the counters'; a peak far below the entry RSS would be a broken reading.
+        # ru_maxrss, the process's lifetime mark, may read below VmRSS likewise.
+        assert run.rss_before_kib > 0 and run.maxrss_kib > 0
+        assert run.peaks.rss_kib >= run.rss_before_kib - 16 * 1024, (run.peaks, run.rss_before_kib)
     # Warm-up (first imports, first compiles) falls on the 1-host run, against this inequality.
     assert big.deploy.cpu_s > small.deploy.cpu_s
     assert big.rollback.cpu_s > small.rollback.cpu_s

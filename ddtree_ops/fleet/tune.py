@@ -352,11 +352,10 @@ class Tune:
     def _restore(self, session: HostSession, start: str | None, changed: bool) -> tuple[bool, str]:
         """Back to `start` (never interrupted: a half-done way back would need a person)."""
         to = start or ORIGINAL
-        current = session.store.history().get("current")
-        if not changed or current == start:
-            return True, f"still on {to}"
-        self.report(Note(session.host.name, f"back to {to}"))
         try:
+            if not changed or session.store.history().get("current") == start:
+                return True, f"still on {to}"
+            self.report(Note(session.host.name, f"back to {to}"))
             rollback_host(session, to, self._deploy_options(f"back to {to}"), self._sink(False), router=None)
         except DdtreeOpsError as e:
             self.report(Note(session.host.name, f"NOT back to {to}: {reason(e)}"))

@@ -12,7 +12,18 @@ from typing import Any, Callable, Optional
 
 import typer
 
+from ..config.inventory import BUDGET_MAX
+from ..config.workload_settings import CONCURRENCY_MAX
 from ..errors import EXIT_ERROR, EXIT_NEEDS_PERSON, EXIT_OK, EXIT_ROLLED_BACK, InputError
+from ..fleet.tune_plan import (
+    DEFAULT_BUDGETS,
+    DEFAULT_CONCURRENCIES,
+    DEFAULT_DURATION_S,
+    DEFAULT_TEMPERATURES,
+    DEFAULT_TOPK_CAPS,
+    as_flag,
+)
+from ..gates.tune_ranking import DEFAULT_MAX_REPEATS, DEFAULT_MAX_SPREAD, DEFAULT_MIN_REPEATS
 from .common import INVENTORY_OPT, LIMIT_OPT, confirm, emit_json, guard, hooks_of, log, output_file
 
 
@@ -84,17 +95,22 @@ def register(app: typer.Typer, kit: TuneKit) -> None:
                                                                               "ddtree-temp)."),
         bundle: Optional[str] = typer.Option(None, "--bundle", help="Or a verified release bundle."),
         expect_id: Optional[str] = typer.Option(None, "--expect-id", metavar="ID"),
-        budgets: str = typer.Option("4,8,16,32", "--budgets", help="Budgets to try, comma-separated."),
-        topk_caps: str = typer.Option("1,2,4", "--topk-caps", help="Top-k caps to try (each ≤ the budget)."),
-        concurrency: str = typer.Option("1,4,16", "--concurrency", help="Concurrent streams per workload."),
-        temperatures: str = typer.Option("0,0.7", "--temperatures", help="Sampling temperatures per workload."),
+        budgets: str = typer.Option(as_flag(DEFAULT_BUDGETS), "--budgets", help="Budgets to try, comma-separated."),
+        topk_caps: str = typer.Option(as_flag(DEFAULT_TOPK_CAPS), "--topk-caps",
+                                      help="Top-k caps to try (each ≤ the budget)."),
+        concurrency: str = typer.Option(as_flag(DEFAULT_CONCURRENCIES), "--concurrency",
+                                        help="Concurrent streams per workload."),
+        temperatures: str = typer.Option(as_flag(DEFAULT_TEMPERATURES), "--temperatures",
+                                         help="Sampling temperatures per workload."),
         prompts_file: Optional[str] = typer.Option(None, "--prompts-file",
                                                    help="Prompts (one per line, or .jsonl with \"text\"); default: "
                                                         "the perf gate's."),
-        duration: float = typer.Option(10.0, "--duration", help="Seconds per measurement."),
-        min_repeats: int = typer.Option(2, "--min-repeats", help="Measurements per config and workload, at least."),
-        max_repeats: int = typer.Option(5, "--max-repeats", help="... and at most, when tok/s stays unsteady."),
-        max_spread: float = typer.Option(0.03, "--max-spread",
+        duration: float = typer.Option(DEFAULT_DURATION_S, "--duration", help="Seconds per measurement."),
+        min_repeats: int = typer.Option(DEFAULT_MIN_REPEATS, "--min-repeats",
+                                        help="Measurements per config and workload, at least."),
+        max_repeats: int = typer.Option(DEFAULT_MAX_REPEATS, "--max-repeats",
+                                        help="... and at most, when tok/s stays unsteady."),
+        max_spread: float = typer.Option(DEFAULT_MAX_SPREAD, "--max-spread",
                                          help="Steady: tok/s half-range over the repeats within this share."),
         objective: str = typer.Option("throughput", "--objective", help="throughput (the only one; bound it with "
                                                                         "--ttft-p99-max / --itl-p99-max)."),
@@ -138,9 +154,9 @@ def register(app: typer.Typer, kit: TuneKit) -> None:
                     raise InputError(f"{flag} {v:g}: give seconds > 0")
             if report:
                 output_file("--report", report, "tune.html")
-            bs = parse_int_list(budgets, "--budgets", 1, 1024)
-            ks = parse_int_list(topk_caps, "--topk-caps", 1, 1024)
-            cs = parse_int_list(concurrency, "--concurrency", 1, 64)
+            bs = parse_int_list(budgets, "--budgets", 1, BUDGET_MAX)
+            ks = parse_int_list(topk_caps, "--topk-caps", 1, BUDGET_MAX)
+            cs = parse_int_list(concurrency, "--concurrency", 1, CONCURRENCY_MAX)
             ts = parse_float_list(temperatures, "--temperatures", 0.0, 2.0)
             targets, notes = kit.targets(inventory, limit)
             hosts = [h for t in targets for h in t.hosts]

@@ -28,7 +28,6 @@ DEFAULT_TOPK_CAPS = (1, 2, 4)
 DEFAULT_CONCURRENCIES = (1, 4, 16)
 DEFAULT_TEMPERATURES = (0.0, 0.7)
 DEFAULT_DURATION_S = 10.0
-BUDGET_MAX = 1024  # as the inventory's `budget`
 
 
 @dataclass(frozen=True)
@@ -99,6 +98,11 @@ def grid(budgets: Sequence[int], topk_caps: Sequence[int], inventory: tuple[int,
     if inventory is not None and inventory not in seen:
         configs.append(TuneConfig(*inventory, inventory=True))
     return configs
+
+
+def as_flag(values: Sequence[float]) -> str:
+    """(4, 8, 16) → "4,8,16": a default as its flag is written."""
+    return ",".join(f"{v:g}" for v in values)
 
 
 def workload_label(concurrency: int, temperature: float) -> str:
